@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The project's test command (called by `make test` and CI): lint, types, migrations check, tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+export PATH="$PWD/$BIN:$PATH"
+
+# PostgreSQL for the database tests; tests marked `postgres` skip with a reason when it is absent.
+export GREENFLOW_TEST_POSTGRES_URL="${GREENFLOW_TEST_POSTGRES_URL:-postgresql+psycopg://postgres@127.0.0.1:5432/test}"
+
+echo "== ruff"; ruff check .
+echo "== mypy"; mypy scheduler_service energy_model worker_agent
+echo "== alembic (upgrade + check, SQLite)"
+tmpdb="$(mktemp -d)/check.db"
+GREENFLOW_DATABASE_URL="sqlite:///$tmpdb" greenflow db upgrade
+GREENFLOW_DATABASE_URL="sqlite:///$tmpdb" alembic check
+echo "== pytest"
+pytest -q -p no:cacheprovider "$@"
