@@ -1,4 +1,4 @@
-"""Carbon-intensity time series read from CSV files (Electricity Maps export or `time,intensity`)."""
+"""Carbon-intensity series read from CSV files (Electricity Maps export or `time,intensity`)."""
 
 from __future__ import annotations
 
