@@ -1,0 +1,73 @@
+"""Alembic environment: the URL comes from the service settings, batch mode keeps SQLite in step."""
+
+from __future__ import annotations
+
+from logging.config import fileConfig
+
+from alembic import context
+
+from scheduler_service.db import models  # noqa: F401  (registers the tables)
+from scheduler_service.db.base import Base, UTCDateTime
+from scheduler_service.db.session import make_engine, normalise_url
+from scheduler_service.settings import Settings
+
+config = context.config
+if config.config_file_name is not None and config.attributes.get("configure_logging", True):
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+
+target_metadata = Base.metadata
+
+
+def _render_item(type_: str, obj: object, autogen_context: object) -> str | bool:
+    """Render our UTC column type as a plain timezone-aware DateTime so migrations stand alone."""
+    if type_ == "type" and isinstance(obj, UTCDateTime):
+        return "sa.DateTime(timezone=True)"
+    return False
+
+
+def _url() -> str:
+    return normalise_url(config.attributes.get("database_url") or Settings().database_url)
+
+
+def run_migrations_offline() -> None:
+    """Emit SQL without a connection."""
+    url = _url()
+    context.configure(
+        url=url,
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=url.startswith("sqlite"),
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    """Run against a live connection."""
+    url = _url()
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection, url)
+        return
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        _run(conn, url)
+    engine.dispose()
+
+
+def _run(connection: object, url: str) -> None:
+    context.configure(
+        connection=connection,  # type: ignore[arg-type]
+        target_metadata=target_metadata,
+        render_as_batch=url.startswith("sqlite"),
+        compare_type=True,
+        render_item=_render_item,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

@@ -1,0 +1,227 @@
+"""ORM models: every persistent fact of the scheduler lives in one of these tables."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from scheduler_service.db.base import Base, utcnow
+
+# BIGINT on PostgreSQL, INTEGER (the rowid alias, so autoincrement works) on SQLite.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class ApiToken(Base):
+    """A bearer token; only the SHA-256 of its secret part is stored."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    token_id: Mapped[str] = mapped_column(String(32), unique=True)
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(100), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class Job(Base):
+    """A submitted training job: its spec, state and progress."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("owner", "submission_id"),
+        Index("ix_jobs_state_created", "state", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(100), index=True)
+    submission_id: Mapped[str | None] = mapped_column(String(128))
+    name: Mapped[str] = mapped_column(String(200))
+    workload: Mapped[str] = mapped_column(String(200))
+    global_batch_size: Mapped[int]
+    total_samples: Mapped[int | None] = mapped_column(BigInteger)
+    total_steps: Mapped[int | None] = mapped_column(BigInteger)
+    min_gpus: Mapped[int]
+    max_gpus: Mapped[int]
+    deadline_at: Mapped[datetime | None]
+    begin_after: Mapped[datetime | None]
+    priority: Mapped[int] = mapped_column(default=1)
+    queue: Mapped[str] = mapped_column(String(64), default="default")
+    best_effort: Mapped[bool] = mapped_column(default=False)
+    run_past_deadline: Mapped[bool] = mapped_column(default=False)
+    held: Mapped[bool] = mapped_column(default=False)
+    state: Mapped[str] = mapped_column(String(24), index=True)
+    state_reason: Mapped[str] = mapped_column(Text, default="")
+    samples_done: Mapped[int] = mapped_column(BigInteger, default=0)
+    step: Mapped[int] = mapped_column(BigInteger, default=0)
+    current_gpus: Mapped[int] = mapped_column(default=0)
+    current_layout: Mapped[str | None] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+    events: Mapped[list[JobEvent]] = relationship(
+        back_populates="job", lazy="raise", order_by="JobEvent.id"
+    )
+
+
+class JobEvent(Base):
+    """One thing that happened to a job: a state change, an allocation change, a hot switch."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    kind: Mapped[str] = mapped_column(String(24), default="state")
+    from_state: Mapped[str | None] = mapped_column(String(24))
+    to_state: Mapped[str | None] = mapped_column(String(24))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    actor: Mapped[str] = mapped_column(String(100), default="system")
+    details: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+    job: Mapped[Job] = relationship(back_populates="events", lazy="raise")
+
+
+class Node(Base):
+    """A worker node with its agent."""
+
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    agent_url: Mapped[str] = mapped_column(String(500))
+    state: Mapped[str] = mapped_column(String(16), default="ready")
+    gpu_kind: Mapped[str] = mapped_column(String(64), default="simulated")
+    simulated: Mapped[bool] = mapped_column(default=True)
+    registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_heartbeat_at: Mapped[datetime | None]
+
+    slots: Mapped[list[GpuSlot]] = relationship(
+        back_populates="node", lazy="raise", order_by="GpuSlot.index"
+    )
+
+
+class GpuSlot(Base):
+    """One GPU (or simulated GPU slot) of a node and the job that holds it."""
+
+    __tablename__ = "gpu_slots"
+    __table_args__ = (UniqueConstraint("node_id", "index"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    index: Mapped[int]
+    uuid: Mapped[str | None] = mapped_column(String(100))
+    memory_mb: Mapped[int] = mapped_column(default=0)
+    job_id: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="SET NULL"), index=True
+    )
+
+    node: Mapped[Node] = relationship(back_populates="slots", lazy="raise")
+
+
+class Allocation(Base):
+    """One allocation command to an agent, with its per-job generation and acknowledgement."""
+
+    __tablename__ = "allocations"
+    __table_args__ = (UniqueConstraint("job_id", "generation"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    generation: Mapped[int]
+    node_id: Mapped[int | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
+    gpus: Mapped[int]
+    slot_indices: Mapped[list[int]] = mapped_column(JSON, default=list)
+    layout: Mapped[str | None] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    sent_at: Mapped[datetime | None]
+    acked_at: Mapped[datetime | None]
+
+
+class TelemetrySample(Base):
+    """What an agent measured for a job over one reporting interval."""
+
+    __tablename__ = "telemetry_samples"
+    __table_args__ = (Index("ix_telemetry_samples_job_at", "job_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    # Agent-chosen id: a retried report is stored once.
+    sample_id: Mapped[str] = mapped_column(String(64), unique=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    node_id: Mapped[int | None] = mapped_column(ForeignKey("nodes.id", ondelete="SET NULL"))
+    at: Mapped[datetime]
+    interval_s: Mapped[float]
+    step: Mapped[int] = mapped_column(BigInteger)
+    samples_done: Mapped[int] = mapped_column(BigInteger)
+    samples_per_s: Mapped[float]
+    loss: Mapped[float | None]
+    gpus: Mapped[int]
+    layout: Mapped[str | None] = mapped_column(String(32))
+    power_w: Mapped[float]
+    energy_kwh: Mapped[float]
+    power_source: Mapped[str] = mapped_column(String(16))
+
+
+class CarbonIntensitySample(Base):
+    """A measured or estimated carbon intensity of a region at one time."""
+
+    __tablename__ = "carbon_intensity_samples"
+    __table_args__ = (UniqueConstraint("region", "source", "signal", "at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    region: Mapped[str] = mapped_column(String(100))
+    source: Mapped[str] = mapped_column(String(64))
+    signal: Mapped[str] = mapped_column(String(32))
+    at: Mapped[datetime]
+    intensity_g_per_kwh: Mapped[float]
+    kind: Mapped[str] = mapped_column(String(16))
+    fetched_at: Mapped[datetime]
+
+
+class CarbonForecastRecord(Base):
+    """A forecast as fetched (points in JSON), kept for the console and for audits."""
+
+    __tablename__ = "carbon_forecasts"
+    __table_args__ = (Index("ix_carbon_forecasts_region_fetched", "region", "fetched_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    region: Mapped[str] = mapped_column(String(100))
+    source: Mapped[str] = mapped_column(String(64))
+    signal: Mapped[str] = mapped_column(String(32))
+    fetched_at: Mapped[datetime]
+    degraded: Mapped[bool] = mapped_column(default=False)
+    degraded_reason: Mapped[str | None] = mapped_column(Text)
+    # [{"at": iso, "intensity_g_per_kwh": float, "kind": str}, ...]
+    points: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+
+
+class LedgerEntry(Base):
+    """Emissions charged to a job for one measured interval, inside one budget period."""
+
+    __tablename__ = "ledger_entries"
+    __table_args__ = (Index("ix_ledger_entries_period", "period_start"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    # Each telemetry sample is charged at most once.
+    telemetry_sample_id: Mapped[int | None] = mapped_column(
+        ForeignKey("telemetry_samples.id", ondelete="SET NULL"), unique=True
+    )
+    period_start: Mapped[datetime]
+    period_end: Mapped[datetime]
+    interval_start: Mapped[datetime]
+    interval_end: Mapped[datetime]
+    energy_kwh: Mapped[float]
+    pue: Mapped[float]
+    intensity_g_per_kwh: Mapped[float]
+    emissions_kg: Mapped[float]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

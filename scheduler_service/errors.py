@@ -1,0 +1,39 @@
+"""Domain errors mapped to HTTP answers that name the problem."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from scheduler_service.exceptions import FieldError, NotAllowed
+from scheduler_service.jobs.service import JobNotFound, SubmissionConflict
+from scheduler_service.jobs.states import InvalidTransition
+
+
+def _detail(status_code: int, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status_code, content={"detail": message})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the mapping from domain errors to 4xx responses."""
+
+    @app.exception_handler(JobNotFound)
+    async def _not_found(_: Request, exc: JobNotFound) -> JSONResponse:
+        return _detail(404, str(exc))
+
+    @app.exception_handler(SubmissionConflict)
+    async def _conflict(_: Request, exc: SubmissionConflict) -> JSONResponse:
+        return _detail(409, str(exc))
+
+    @app.exception_handler(InvalidTransition)
+    async def _bad_transition(_: Request, exc: InvalidTransition) -> JSONResponse:
+        return _detail(409, str(exc))
+
+    @app.exception_handler(NotAllowed)
+    async def _forbidden(_: Request, exc: NotAllowed) -> JSONResponse:
+        return _detail(403, str(exc))
+
+    @app.exception_handler(FieldError)
+    async def _field(_: Request, exc: FieldError) -> JSONResponse:
+        body = {"detail": [{"loc": ["body", exc.field], "msg": exc.message, "type": "value_error"}]}
+        return JSONResponse(status_code=422, content=body)

@@ -1,0 +1,157 @@
+"""Request and response bodies of the jobs API."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Self
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from scheduler_service.jobs.states import JobState
+from worker_agent.protocol import WORKLOAD_PATTERN, WORKLOAD_PRESETS
+
+MAX_GPUS_PER_JOB = 4096
+
+
+class JobSpec(BaseModel):
+    """What a user submits: the work, its size, its GPU range and its timing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^\S(.*\S)?$")]
+    workload: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=200,
+            description=(
+                "A preset model name (" + ", ".join(WORKLOAD_PRESETS) + ") or an entrypoint "
+                "module:function."
+            ),
+            # In the schema for clients; checked below with a message that lists the presets.
+            json_schema_extra={"pattern": WORKLOAD_PATTERN},
+        ),
+    ]
+    global_batch_size: Annotated[int, Field(ge=1, le=1_048_576)]
+    total_samples: Annotated[int | None, Field(ge=1, le=10**15)] = None
+    total_steps: Annotated[int | None, Field(ge=1, le=10**12)] = None
+    min_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_JOB)] = 1
+    max_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_JOB)] = 1
+    deadline: AwareDatetime | None = Field(
+        default=None, description="Absolute time, with a time zone."
+    )
+    begin_after: AwareDatetime | None = None
+    priority: Annotated[int, Field(ge=0, le=100)] = 1
+    queue: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")] = (
+        "default"
+    )
+    submission_id: Annotated[
+        str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    ] = None
+    best_effort: bool = Field(
+        default=False,
+        description="Queue without a deadline guarantee if the deadline cannot be met.",
+    )
+    run_past_deadline: bool = Field(
+        default=False, description="Keep running after a missed deadline."
+    )
+
+    @field_validator("workload")
+    @classmethod
+    def _known_workload(cls, workload: str) -> str:
+        if not re.fullmatch(WORKLOAD_PATTERN, workload):
+            raise ValueError(
+                f"unknown workload {workload!r}: use a preset ({', '.join(WORKLOAD_PRESETS)}) "
+                "or an entrypoint module:function"
+            )
+        return workload
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if (self.total_samples is None) == (self.total_steps is None):
+            raise ValueError("give exactly one of total_samples and total_steps")
+        if self.min_gpus > self.max_gpus:
+            raise ValueError(
+                f"min_gpus ({self.min_gpus}) must not exceed max_gpus ({self.max_gpus})"
+            )
+        if (
+            self.deadline is not None
+            and self.begin_after is not None
+            and self.deadline <= self.begin_after
+        ):
+            raise ValueError("deadline must be after begin_after")
+        return self
+
+    def total_samples_resolved(self) -> int:
+        """The job's work in samples, whichever way the user gave it."""
+        if self.total_samples is not None:
+            return self.total_samples
+        assert self.total_steps is not None
+        return self.total_steps * self.global_batch_size
+
+
+class JobOut(BaseModel):
+    """A job as the API shows it."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    owner: str
+    name: str
+    workload: str
+    global_batch_size: int
+    total_samples: int | None
+    total_steps: int | None
+    min_gpus: int
+    max_gpus: int
+    deadline: datetime | None = Field(validation_alias="deadline_at")
+    begin_after: datetime | None
+    priority: int
+    queue: str
+    submission_id: str | None
+    best_effort: bool
+    run_past_deadline: bool
+    held: bool
+    state: JobState
+    state_reason: str
+    samples_done: int
+    step: int
+    current_gpus: int
+    current_layout: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobPage(BaseModel):
+    """One page of a job listing."""
+
+    items: list[JobOut]
+    total: int
+    limit: int
+    offset: int
+
+
+class JobEventOut(BaseModel):
+    """One recorded event of a job."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    at: datetime
+    kind: str
+    from_state: str | None
+    to_state: str | None
+    reason: str
+    actor: str
+    details: dict[str, Any] | None
+
+
+class CancelRequest(BaseModel):
+    """Why a job is being cancelled (optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: Annotated[str, Field(max_length=500)] = "cancelled by request"

@@ -1,0 +1,133 @@
+"""Job states and the one function through which every state change goes."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from scheduler_service.db.base import utcnow
+from scheduler_service.db.models import Job, JobEvent
+
+
+class JobState(StrEnum):
+    """Lifecycle of a job."""
+
+    PENDING = "PENDING"
+    QUEUED = "QUEUED"
+    DEFERRED = "DEFERRED"
+    RUNNING = "RUNNING"
+    RESIZING = "RESIZING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    DEADLINE_MISSED = "DEADLINE_MISSED"
+
+
+TERMINAL_STATES = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.DEADLINE_MISSED}
+)
+ACTIVE_STATES = frozenset({JobState.RUNNING, JobState.RESIZING})
+
+_ALLOWED: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.QUEUED: frozenset(
+        {
+            JobState.RUNNING,
+            JobState.DEFERRED,
+            JobState.CANCELLED,
+            JobState.FAILED,
+            JobState.DEADLINE_MISSED,
+        }
+    ),
+    JobState.DEFERRED: frozenset(
+        {
+            JobState.QUEUED,
+            JobState.RUNNING,
+            JobState.CANCELLED,
+            JobState.FAILED,
+            JobState.DEADLINE_MISSED,
+        }
+    ),
+    JobState.RUNNING: frozenset(
+        {
+            JobState.RESIZING,
+            JobState.QUEUED,
+            JobState.DEFERRED,
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.DEADLINE_MISSED,
+        }
+    ),
+    JobState.RESIZING: frozenset(
+        {
+            JobState.RUNNING,
+            JobState.QUEUED,
+            JobState.DEFERRED,
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.DEADLINE_MISSED,
+        }
+    ),
+}
+
+
+class InvalidTransition(Exception):
+    """A state change the lifecycle does not allow (e.g. leaving a terminal state)."""
+
+    def __init__(self, job_id: int, from_state: str, to_state: str) -> None:
+        super().__init__(f"job {job_id} cannot go from {from_state} to {to_state}")
+        self.from_state = from_state
+        self.to_state = to_state
+
+
+def can_transition(from_state: JobState, to_state: JobState) -> bool:
+    """Whether the lifecycle allows this change."""
+    return to_state in _ALLOWED.get(from_state, frozenset())
+
+
+def transition(
+    job: Job,
+    to_state: JobState,
+    *,
+    reason: str,
+    actor: str = "system",
+    at: datetime | None = None,
+    details: dict[str, Any] | None = None,
+) -> JobEvent:
+    """Move `job` to `to_state` and return the event that records why (caller adds it to the session)."""
+    from_state = JobState(job.state)
+    if not can_transition(from_state, to_state):
+        raise InvalidTransition(job.id, from_state, to_state)
+    now = at or utcnow()
+    job.state = to_state.value
+    job.state_reason = reason
+    if to_state in ACTIVE_STATES and job.started_at is None:
+        job.started_at = now
+    if to_state in TERMINAL_STATES:
+        job.finished_at = now
+    return JobEvent(
+        job_id=job.id,
+        at=now,
+        kind="state",
+        from_state=from_state.value,
+        to_state=to_state.value,
+        reason=reason,
+        actor=actor,
+        details=details,
+    )
+
+
+def initial_event(job: Job, *, reason: str, actor: str) -> JobEvent:
+    """The event recording a job's creation in its first state."""
+    return JobEvent(
+        job_id=job.id,
+        at=job.created_at,
+        kind="state",
+        from_state=None,
+        to_state=job.state,
+        reason=reason,
+        actor=actor,
+    )
