@@ -1,0 +1,698 @@
+"""The parent-side API: `JobRunner` starts a job's workers, trains, resizes (hot switch), stops.
+
+One `JobRunner` per job, in the agent process. Workers are spawned processes (one per GPU slot)
+driven over pipes; the runner hosts the TCPStore that every process-group generation uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from worker_agent.hotswitch.execute import ExecStats
+from worker_agent.hotswitch.plan import PlanError, SwitchPlan, build_plan
+from worker_agent.runtime.errors import LayoutError, SwitchFailed, WorkerFailed
+from worker_agent.runtime.layout import Layout, choose_layout
+from worker_agent.runtime.presets import JobSpec, build_job, model_shape
+from worker_agent.runtime.shards import Holding, shard_map
+from worker_agent.runtime.worker import StepStats, WorkerConfig, worker_main
+
+
+@dataclass(frozen=True, order=True)
+class GpuSlot:
+    """One GPU (or, without GPUs, one simulated slot) on a node."""
+
+    node: str = "local"
+    index: int = 0
+
+
+@dataclass
+class SwitchReport:
+    """What one resize did and what it cost."""
+
+    src: Layout
+    dst: Layout
+    step: int
+    ok: bool
+    switch_s: float
+    """Training paused: snapshot + plan + transfer + commit + group rebuild."""
+    spawn_s: float
+    """Starting new workers; overlaps training (not part of switch_s)."""
+    snapshot_s: float
+    plan_s: float
+    transfer_s: float
+    regroup_s: float
+    bytes_moved: int
+    bytes_lower_bound: int
+    bytes_local: int
+    max_send_bytes: int
+    pack_s: float
+    comm_s: float
+    unpack_s: float
+    workers_started: list[int] = field(default_factory=list)
+    workers_released: list[int] = field(default_factory=list)
+    error: str | None = None
+    recovered_from: str | None = None
+
+
+@dataclass
+class Progress:
+    """Training progress as the agent reports it."""
+
+    step: int
+    samples_per_s: float
+    loss: float | None
+    layout: Layout
+    worker_pids: list[int]
+    """By rank in the current layout."""
+
+
+@dataclass
+class _Handle:
+    worker_id: int
+    slot: GpuSlot
+    proc: BaseProcess
+    conn: Connection
+    pid: int = -1
+
+
+def _holdings(job_specs: Any, n_blocks: int, layout: Layout, rank: int) -> list[Holding]:
+    return shard_map(job_specs, n_blocks, layout, rank).holdings()
+
+
+def _overlap(a: list[Holding], b: list[Holding]) -> int:
+    """Elements of `b` that are already in `a` (same logical tensor ranges)."""
+    idx: dict[str, list[Holding]] = {}
+    for h in a:
+        idx.setdefault(h.tensor, []).append(h)
+    total = 0
+    for h in b:
+        for g in idx.get(h.tensor, []):
+            total += max(0, min(g.end, h.end) - max(g.start, h.start))
+    return total
+
+
+class JobRunner:
+    """Runs one job on a pool of worker processes and hot-switches its layout on resize."""
+
+    def __init__(
+        self,
+        snapshot_policy: Literal["before_switch", "none"] = "before_switch",
+        timeout_s: float = 60.0,
+        backend: str | None = None,
+        store_host: str = "127.0.0.1",
+    ) -> None:
+        self.snapshot_policy = snapshot_policy
+        self.timeout_s = timeout_s
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.store_host = store_host
+        self._ctx = mp.get_context("spawn")
+        self._store: dist.TCPStore | None = None
+        self._gen = 0
+        self._next_id = 0
+        self._ranks: list[_Handle] = []
+        self._layout: Layout | None = None
+        self._spec: JobSpec | None = None
+        self._step = 0
+        self._loss: float | None = None
+        self._samples_per_s = 0.0
+        self._snapshot: dict[int, tuple[torch.Tensor, Layout, int, int]] = {}
+        self._lock = threading.RLock()
+        self._switch_waiting = threading.Event()
+        self._stop = threading.Event()
+        self._driver: threading.Thread | None = None
+        self._driver_error: BaseException | None = None
+        self._armed_fault: int | None = None
+
+    # ----- public API -----------------------------------------------------------------------
+    def start(
+        self,
+        job_spec: JobSpec,
+        gpus: Sequence[GpuSlot] | int,
+        layout: Layout | None = None,
+        memory_per_gpu_bytes: float = 64 * 2**30,
+        gpus_per_node: int | None = None,
+    ) -> Layout:
+        """Start one worker per GPU slot with fresh state in `layout` (or the chosen one)."""
+        if self._ranks:
+            raise RuntimeError("job already started; use resize() or stop()")
+        slots = self._slots(gpus)
+        self._spec = job_spec
+        self._memory_per_gpu_bytes = memory_per_gpu_bytes
+        self._gpus_per_node = gpus_per_node
+        job = build_job(job_spec)
+        self._param_specs = job.param_specs()
+        self._n_blocks = job.n_blocks()
+        layout = layout or self._choose(len(slots))
+        if layout.world_size != len(slots):
+            raise LayoutError(f"layout {layout} needs {layout.world_size} GPUs, got {len(slots)}")
+        self._store = dist.TCPStore(
+            self.store_host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        handles = self._spawn(slots)
+        self._ranks = handles
+        self._join(handles)
+        self._call(
+            [(h, "init_state", {"layout": layout, "rank": r}) for r, h in enumerate(handles)]
+        )
+        self._layout = layout
+        self._step = 0
+        return layout
+
+    @property
+    def layout(self) -> Layout:
+        """The current layout."""
+        if self._layout is None:
+            raise RuntimeError("job not started")
+        return self._layout
+
+    def worker_pids(self) -> list[int]:
+        """Worker process ids by rank."""
+        return [h.pid for h in self._ranks]
+
+    def slots(self) -> list[GpuSlot]:
+        """GPU slots by rank."""
+        return [h.slot for h in self._ranks]
+
+    def train(self, steps: int) -> list[tuple[int, float]]:
+        """Run `steps` steps now (blocking); returns (step, loss) per step."""
+        with self._lock:
+            return self._train(steps)
+
+    def run_background(self, steps_per_chunk: int = 1, max_steps: int | None = None) -> None:
+        """Train in a background thread until stop() (or max_steps); resize() interleaves."""
+        if self._driver is not None and self._driver.is_alive():
+            return
+        self._stop.clear()
+
+        def loop() -> None:
+            try:
+                while not self._stop.is_set():
+                    if max_steps is not None and self._step >= max_steps:
+                        break
+                    if self._switch_waiting.is_set():
+                        time.sleep(0.01)
+                        continue
+                    with self._lock:
+                        n = steps_per_chunk
+                        if max_steps is not None:
+                            n = min(n, max_steps - self._step)
+                        self._train(n)
+            except BaseException as exc:  # surfaced by step_progress()/stop()
+                self._driver_error = exc
+
+        self._driver = threading.Thread(target=loop, name="greenflow-job-driver", daemon=True)
+        self._driver.start()
+
+    def pause(self) -> None:
+        """Stop the background driver after its current chunk (workers stay up)."""
+        self._stop.set()
+        if self._driver is not None:
+            self._driver.join()
+            self._driver = None
+        if self._driver_error is not None:
+            err, self._driver_error = self._driver_error, None
+            raise WorkerFailed(f"training driver failed: {err}") from err
+
+    def step_progress(self) -> Progress:
+        """Current step, samples/s of the last chunk, last loss, layout and worker pids."""
+        if self._driver_error is not None:
+            raise WorkerFailed(f"training driver failed: {self._driver_error}")
+        return Progress(
+            self._step, self._samples_per_s, self._loss, self.layout, self.worker_pids()
+        )
+
+    def resize(
+        self, new_gpus: Sequence[GpuSlot] | int, layout: Layout | None = None
+    ) -> SwitchReport:
+        """Hot-switch to `new_gpus` (kept slots keep their worker process) and a new layout."""
+        slots = self._slots(new_gpus)
+        old_layout = self.layout
+        new_layout = layout or self._choose(len(slots))
+        if new_layout.world_size != len(slots):
+            raise LayoutError(
+                f"layout {new_layout} needs {new_layout.world_size} GPUs, got {len(slots)}"
+            )
+        current = {h.slot: h for h in self._ranks}
+        keep = [current[s] for s in slots if s in current]
+        leaving = [h for h in self._ranks if h.slot not in slots]
+        t0 = time.perf_counter()
+        # New workers boot (import torch, connect to the store) while training goes on.
+        added = self._spawn([s for s in slots if s not in current])
+        spawn_s = time.perf_counter() - t0
+        self._switch_waiting.set()
+        try:
+            with self._lock:
+                return self._switch(old_layout, new_layout, keep, leaving, added, spawn_s)
+        finally:
+            self._switch_waiting.clear()
+
+    def gather_state(self) -> dict[str, torch.Tensor]:
+        """Full logical tensors (`param/…`, `exp_avg/…`, `exp_avg_sq/…`) assembled from shards.
+
+        Raises WorkerFailed if two replicas of the same elements differ bitwise.
+        """
+        with self._lock:
+            parts = self._call([(h, "shards", {}) for h in self._ranks])
+        sizes = {p.name: p.numel for p in self._param_specs}
+        out: dict[str, torch.Tensor] = {}
+        filled: dict[str, torch.Tensor] = {}
+        for shards in parts:
+            for name, (start, end, data) in shards.items():
+                full = out.setdefault(name, torch.zeros(sizes[name.split("/", 1)[1]]))
+                mask = filled.setdefault(name, torch.zeros(full.numel(), dtype=torch.bool))
+                seen = mask[start:end]
+                if seen.any() and not torch.equal(full[start:end][seen], data[seen]):
+                    raise WorkerFailed(f"replicas of {name} disagree")
+                full[start:end] = data
+                mask[start:end] = True
+        return out
+
+    def arm_fault(self, rank: int) -> None:
+        """Test hook: the worker at `rank` exits abruptly inside the next switch."""
+        self._armed_fault = self._ranks[rank].worker_id
+        self._call([(self._ranks[rank], "arm_fault", {})])
+
+    def stop(self) -> None:
+        """Stop training and release every worker."""
+        with contextlib.suppress(WorkerFailed):
+            self.pause()
+        for h in self._ranks:
+            self._release(h)
+        self._ranks = []
+        self._layout = None
+        self._snapshot = {}
+        self._store = None
+
+    def __enter__(self) -> JobRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ----- internals ------------------------------------------------------------------------
+    def _choose(self, gpus: int) -> Layout:
+        assert self._spec is not None
+        shape = model_shape(build_job(self._spec), self._spec)
+        return choose_layout(shape, gpus, self._memory_per_gpu_bytes, self._gpus_per_node)
+
+    @staticmethod
+    def _slots(gpus: Sequence[GpuSlot] | int) -> list[GpuSlot]:
+        slots = [GpuSlot("local", i) for i in range(gpus)] if isinstance(gpus, int) else list(gpus)
+        if not slots or len(set(slots)) != len(slots):
+            raise LayoutError(f"need a non-empty list of distinct GPU slots, got {gpus!r}")
+        return slots
+
+    def _spawn(self, slots: Sequence[GpuSlot]) -> list[_Handle]:
+        assert self._store is not None and self._spec is not None
+        handles: list[_Handle] = []
+        for slot in slots:
+            parent, child = self._ctx.Pipe()
+            cfg = WorkerConfig(
+                worker_id=self._next_id,
+                spec_json=self._spec.model_dump_json(),
+                store_host=self.store_host,
+                store_port=self._store.port,
+                backend=self.backend,
+                device_index=slot.index if self.backend == "nccl" else None,
+                timeout_s=self.timeout_s,
+            )
+            self._next_id += 1
+            proc = self._ctx.Process(target=worker_main, args=(child, cfg), daemon=True)
+            proc.start()
+            child.close()
+            handles.append(_Handle(cfg.worker_id, slot, proc, parent))
+        for h in handles:
+            h.pid = self._wait(h)
+        return handles
+
+    def _wait(self, h: _Handle) -> Any:
+        """One reply from a worker; WorkerFailed if it dies, errs, or times out."""
+        deadline = time.monotonic() + self.timeout_s * 2
+        while True:
+            try:
+                if h.conn.poll(0.05):
+                    status, value = h.conn.recv()
+                    if status != "ok":
+                        raise WorkerFailed(f"worker {h.worker_id} (pid {h.pid}): {value}")
+                    return value
+            except (EOFError, OSError) as exc:
+                raise WorkerFailed(
+                    f"worker {h.worker_id} (pid {h.pid}) died (exit code {h.proc.exitcode})"
+                ) from exc
+            if not h.proc.is_alive() and not h.conn.poll(0):
+                raise WorkerFailed(
+                    f"worker {h.worker_id} (pid {h.pid}) died (exit code {h.proc.exitcode})"
+                )
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"worker {h.worker_id} (pid {h.pid}) timed out")
+
+    def _call(self, calls: Sequence[tuple[_Handle, str, dict[str, Any]]]) -> list[Any]:
+        """Send every command first (collectives need all ranks), then collect every reply."""
+        sent: list[_Handle] = []
+        errors: list[str] = []
+        for h, cmd, kwargs in calls:
+            try:
+                h.conn.send((cmd, kwargs))
+                sent.append(h)
+            except (OSError, BrokenPipeError):
+                errors.append(f"worker {h.worker_id} (pid {h.pid}) is gone")
+        results: list[Any] = []
+        for h in sent:
+            try:
+                results.append(self._wait(h))
+            except WorkerFailed as exc:
+                errors.append(str(exc))
+                results.append(None)
+        if errors:
+            raise WorkerFailed("; ".join(errors))
+        return results
+
+    def _join(self, ranked: Sequence[_Handle]) -> None:
+        """Put `ranked` (by rank) into a fresh process-group generation."""
+        self._gen += 1
+        n = len(ranked)
+        self._call(
+            [
+                (h, "join", {"generation": self._gen, "rank": r, "world_size": n})
+                for r, h in enumerate(ranked)
+            ]
+        )
+
+    def _train(self, steps: int) -> list[tuple[int, float]]:
+        assert self._spec is not None
+        t0 = time.perf_counter()
+        per_worker: list[list[StepStats]] = self._call(
+            [(h, "train", {"steps": steps}) for h in self._ranks]
+        )
+        wall_s = time.perf_counter() - t0
+        out: list[tuple[int, float]] = []
+        for i in range(steps):
+            parts = [w[i].loss_part for w in per_worker]
+            out.append((per_worker[0][i].step, float(sum(p for p in parts if p is not None))))
+        self._step += steps
+        self._loss = out[-1][1] if out else self._loss
+        self._samples_per_s = self._spec.global_batch_size * steps / wall_s if wall_s > 0 else 0.0
+        return out
+
+    def _release(self, h: _Handle) -> None:
+        with contextlib.suppress(Exception):
+            if h.proc.is_alive():
+                h.conn.send(("exit", {}))
+                if h.conn.poll(5):
+                    h.conn.recv()
+        h.proc.join(timeout=5)
+        if h.proc.is_alive():
+            h.proc.kill()
+            h.proc.join()
+        h.conn.close()
+
+    def _assign_ranks(
+        self, old_layout: Layout, new_layout: Layout, keep: list[_Handle], added: list[_Handle]
+    ) -> list[_Handle]:
+        """Give each new rank the kept worker that already holds most of its shard."""
+        old_rank = {h.worker_id: r for r, h in enumerate(self._ranks)}
+        held = {
+            h.worker_id: _holdings(
+                self._param_specs, self._n_blocks, old_layout, old_rank[h.worker_id]
+            )
+            for h in keep
+        }
+        free = list(keep)
+        ranked: list[_Handle | None] = []
+        for r in range(new_layout.world_size):
+            need = _holdings(self._param_specs, self._n_blocks, new_layout, r)
+            if free:
+                best = max(
+                    free, key=lambda h: (_overlap(held[h.worker_id], need), -old_rank[h.worker_id])
+                )
+                if _overlap(held[best.worker_id], need) > 0 or not added:
+                    free.remove(best)
+                    ranked.append(best)
+                    continue
+            ranked.append(None)
+        spare = iter([*free, *added])
+        return [h if h is not None else next(spare) for h in ranked]
+
+    def _switch(
+        self,
+        old_layout: Layout,
+        new_layout: Layout,
+        keep: list[_Handle],
+        leaving: list[_Handle],
+        added: list[_Handle],
+        spawn_s: float,
+    ) -> SwitchReport:
+        t_start = time.perf_counter()
+        old = list(self._ranks)
+        snapshot_s = 0.0
+        if self.snapshot_policy == "before_switch":
+            t0 = time.perf_counter()
+            snaps = self._call([(h, "snapshot", {}) for h in old])
+            self._snapshot = {h.worker_id: s for h, s in zip(old, snaps, strict=True)}
+            snapshot_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        target = self._assign_ranks(old_layout, new_layout, keep, added)
+        src = {
+            h.worker_id: _holdings(self._param_specs, self._n_blocks, old_layout, r)
+            for r, h in enumerate(old)
+        }
+        dst = {
+            h.worker_id: _holdings(self._param_specs, self._n_blocks, new_layout, r)
+            for r, h in enumerate(target)
+        }
+        node_of = {h.worker_id: h.slot.node for h in [*old, *added]}
+        plan = build_plan(src, dst, node_of)
+        plan_s = time.perf_counter() - t0
+
+        new_rank = {h.worker_id: r for r, h in enumerate(target)}
+        if added and leaving:
+            union = [*old, *added]
+        elif added:
+            union = target
+        else:
+            union = old
+        transfer_s = regroup_s = 0.0
+        stats: list[ExecStats] = []
+        try:
+            t0 = time.perf_counter()
+            if added:
+                self._join(union)
+            regroup_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            group_rank = {h.worker_id: r for r, h in enumerate(union)}
+            stats = self._call(
+                [
+                    (
+                        h,
+                        "switch_prepare",
+                        {
+                            "plan": plan,
+                            "group_rank": group_rank,
+                            "new_layout": new_layout if h.worker_id in new_rank else None,
+                            "new_rank": new_rank.get(h.worker_id, -1),
+                            "step": self._step,
+                        },
+                    )
+                    for h in union
+                ]
+            )
+            transfer_s = time.perf_counter() - t0
+        except WorkerFailed as exc:
+            return self._rollback(
+                old_layout, new_layout, old, added, plan, exc, t_start, spawn_s, snapshot_s, plan_s
+            )
+
+        t0 = time.perf_counter()
+        self._call([(h, "switch_commit", {}) for h in union])
+        for h in leaving:
+            self._release(h)
+        same_group = [h.worker_id for h in union] == [h.worker_id for h in target]
+        if not same_group:
+            self._join(target)
+        self._ranks = target
+        self._layout = new_layout
+        self._call([(h, "build_groups", {}) for h in target])
+        regroup_s += time.perf_counter() - t0
+        return self._report(
+            old_layout,
+            new_layout,
+            plan,
+            stats,
+            True,
+            t_start,
+            spawn_s,
+            snapshot_s,
+            plan_s,
+            transfer_s,
+            regroup_s,
+            added,
+            leaving,
+        )
+
+    def _report(
+        self,
+        src: Layout,
+        dst: Layout,
+        plan: SwitchPlan,
+        stats: list[ExecStats],
+        ok: bool,
+        t_start: float,
+        spawn_s: float,
+        snapshot_s: float,
+        plan_s: float,
+        transfer_s: float,
+        regroup_s: float,
+        added: list[_Handle],
+        leaving: list[_Handle],
+        error: str | None = None,
+        recovered_from: str | None = None,
+    ) -> SwitchReport:
+        return SwitchReport(
+            src=src,
+            dst=dst,
+            step=self._step,
+            ok=ok,
+            switch_s=time.perf_counter() - t_start,
+            spawn_s=spawn_s,
+            snapshot_s=snapshot_s,
+            plan_s=plan_s,
+            transfer_s=transfer_s,
+            regroup_s=regroup_s,
+            bytes_moved=plan.bytes_moved,
+            bytes_lower_bound=plan.bytes_lower_bound,
+            bytes_local=sum(s.bytes_local for s in stats),
+            max_send_bytes=plan.max_send_bytes,
+            pack_s=max((s.pack_s for s in stats), default=0.0),
+            comm_s=max((s.comm_s for s in stats), default=0.0),
+            unpack_s=max((s.unpack_s for s in stats), default=0.0),
+            workers_started=[h.pid for h in added],
+            workers_released=[h.pid for h in leaving],
+            error=error,
+            recovered_from=recovered_from,
+        )
+
+    def _rollback(
+        self,
+        old_layout: Layout,
+        new_layout: Layout,
+        old: list[_Handle],
+        added: list[_Handle],
+        plan: SwitchPlan,
+        exc: WorkerFailed,
+        t_start: float,
+        spawn_s: float,
+        snapshot_s: float,
+        plan_s: float,
+    ) -> SwitchReport:
+        """Return to the old layout: replace dead workers, repair from replicas or the snapshot."""
+        for h in added:
+            self._release(h)
+        alive = [h for h in old if h.proc.is_alive()]
+        with contextlib.suppress(WorkerFailed):
+            self._call([(h, "switch_abort", {}) for h in alive])
+        dead = [h for h in old if not h.proc.is_alive()]
+        replacements = self._spawn([h.slot for h in dead])
+        by_id = {h.worker_id: r for r, h in zip(dead, replacements, strict=True)}
+        ranked = [by_id.get(h.worker_id, h) for h in old]
+        for h in dead:
+            h.conn.close()
+        self._ranks = ranked
+        self._join(ranked)
+        recovered = "old-layout"
+        if dead:
+            src = {
+                h.worker_id: _holdings(self._param_specs, self._n_blocks, old_layout, r)
+                for r, h in enumerate(ranked)
+                if h not in replacements
+            }
+            dst = {
+                h.worker_id: _holdings(self._param_specs, self._n_blocks, old_layout, r)
+                for r, h in enumerate(ranked)
+            }
+            try:
+                repair = build_plan(src, dst, {h.worker_id: h.slot.node for h in ranked})
+            except PlanError:
+                repair = None
+            if repair is not None:
+                group_rank = {h.worker_id: r for r, h in enumerate(ranked)}
+                self._call(
+                    [
+                        (
+                            h,
+                            "switch_prepare",
+                            {
+                                "plan": repair,
+                                "group_rank": group_rank,
+                                "new_layout": old_layout,
+                                "new_rank": r,
+                                "step": self._step,
+                            },
+                        )
+                        for r, h in enumerate(ranked)
+                    ]
+                )
+                self._call([(h, "switch_commit", {}) for h in ranked])
+                recovered = "replicas"
+            elif self._snapshot:
+                calls = []
+                for r, h in enumerate(ranked):
+                    sid = old[r].worker_id
+                    snap, lay, rank, step = self._snapshot[sid]
+                    calls.append(
+                        (h, "restore", {"snap": snap, "layout": lay, "rank": rank, "step": step})
+                    )
+                self._call(calls)
+                self._step = next(iter(self._snapshot.values()))[3]
+                recovered = f"snapshot@step{self._step}"
+            else:
+                raise WorkerFailed(
+                    f"{exc}; state of the dead workers is lost (no replica, no snapshot)"
+                ) from exc
+        self._layout = old_layout
+        self._call([(h, "build_groups", {}) for h in ranked])
+        report = self._report(
+            old_layout,
+            new_layout,
+            plan,
+            [],
+            False,
+            t_start,
+            spawn_s,
+            snapshot_s,
+            plan_s,
+            0.0,
+            0.0,
+            added,
+            [],
+            error=str(exc),
+            recovered_from=recovered,
+        )
+        raise SwitchFailed(
+            f"switch {old_layout} -> {new_layout} failed and was rolled back ({recovered}): {exc}",
+            recovered,
+        ) from _Report(report)
+
+
+class _Report(Exception):
+    """Carries the SwitchReport of a failed switch as the cause of SwitchFailed."""
+
+    def __init__(self, report: SwitchReport) -> None:
+        super().__init__("switch report")
+        self.report = report

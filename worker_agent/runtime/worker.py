@@ -1,0 +1,378 @@
+"""One worker process: holds one shard of the job's state, trains, and takes part in switches.
+
+The parent (`JobRunner`) drives workers with commands over a pipe; every command is answered
+with `("ok", result)` or `("error", message)`. Process groups are rebuilt per generation from a
+TCPStore that the parent hosts, so the workers that stay keep their process and their memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from worker_agent.hotswitch.execute import ExecStats, StagingBuffers, execute_plan
+from worker_agent.hotswitch.plan import SwitchPlan
+from worker_agent.runtime.job import TensorParallel, TrainingJob
+from worker_agent.runtime.layout import Layout, split_blocks
+from worker_agent.runtime.presets import JobSpec, build_job
+from worker_agent.runtime.shards import ShardMap, shard_map
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker process needs at start."""
+
+    worker_id: int
+    spec_json: str
+    store_host: str
+    store_port: int
+    backend: str
+    device_index: int | None
+    """CUDA device for NCCL; None for CPU workers."""
+    timeout_s: float = 60.0
+    fail_at: str | None = None
+    """Test hook: `"switch"` makes this worker exit abruptly in the middle of its next switch."""
+
+
+@dataclass
+class StepStats:
+    """One training step as one worker saw it."""
+
+    step: int
+    loss_part: float | None
+    """This worker's share of the global loss (last stage, TP rank 0 only), else None."""
+    compute_s: float
+
+
+class Worker:
+    """State and behaviour of one worker process."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.spec = JobSpec.model_validate_json(cfg.spec_json)
+        self.job: TrainingJob = build_job(self.spec)
+        self.specs = self.job.param_specs()
+        self.n_blocks = self.job.n_blocks()
+        if cfg.device_index is not None:
+            torch.cuda.set_device(cfg.device_index)
+            self.device = torch.device("cuda", cfg.device_index)
+        else:
+            self.device = torch.device("cpu")
+        self.store = dist.TCPStore(
+            cfg.store_host,
+            cfg.store_port,
+            is_master=False,
+            timeout=timedelta(seconds=cfg.timeout_s),
+        )
+        self.buffers = StagingBuffers(self.device)
+        self.layout: Layout | None = None
+        self.rank = -1
+        self.smap: ShardMap | None = None
+        self.flat: torch.Tensor | None = None
+        self.params: dict[str, torch.Tensor] = {}
+        self.grad_flat: torch.Tensor | None = None
+        self.step = 0
+        self.tp = TensorParallel()
+        self.dp_group: dist.ProcessGroup | None = None
+        self._pending: tuple[Layout | None, int, torch.Tensor | None, int] | None = None
+
+    # ----- process groups -------------------------------------------------------------------
+    def cmd_join(self, generation: int, rank: int, world_size: int) -> None:
+        """Leave the current process group (if any) and join generation `generation`."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.tp = TensorParallel()
+        self.dp_group = None
+        store = dist.PrefixStore(f"gen{generation}", self.store)
+        dist.init_process_group(
+            self.cfg.backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=self.cfg.timeout_s),
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+        dist.barrier()
+
+    def _build_groups(self) -> None:
+        """Sub-groups of the current layout, created in the same order on every rank."""
+        assert self.layout is not None
+        lay, me = self.layout, self.rank
+        self.tp = TensorParallel(size=lay.tp, rank=lay.coords(me).tp)
+        self.dp_group = None
+        if lay.tp > 1:
+            for ranks in lay.tp_groups():
+                g = dist.new_group(ranks)
+                if me in ranks:
+                    self.tp.group = g
+        if lay.dp > 1:
+            for ranks in lay.dp_groups():
+                g = dist.new_group(ranks)
+                if me in ranks:
+                    self.dp_group = g
+
+    # ----- state ----------------------------------------------------------------------------
+    def _install(self, layout: Layout, rank: int, flat: torch.Tensor, step: int) -> None:
+        """Adopt a flat state buffer for (layout, rank): parameters become views into it."""
+        self.layout, self.rank, self.step = layout, rank, step
+        self.smap = shard_map(self.specs, self.n_blocks, layout, rank)
+        self.flat = flat
+        self.grad_flat = torch.zeros(self.smap.n_param_elems, device=self.device)
+        self.params = {}
+        for ps in self.smap.params:
+            view = flat[ps.offset : ps.offset + ps.end - ps.start].view(ps.local_shape)
+            # detach() shares storage: the optimizer's in-place updates of `flat` are the params.
+            self.params[ps.spec.name] = view.detach().requires_grad_(True)
+
+    def cmd_init_state(self, layout: Layout, rank: int) -> int:
+        """Fresh state from the job's seeded initialisation; returns its size in bytes."""
+        smap = shard_map(self.specs, self.n_blocks, layout, rank)
+        flat = torch.zeros(smap.n_state_elems, device=self.device)
+        for ps in smap.params:
+            full = ps.spec.init_full(self.spec.seed).reshape(-1)[ps.start : ps.end]
+            flat[ps.offset : ps.offset + full.numel()].copy_(full)
+        self._install(layout, rank, flat, 0)
+        self._build_groups()
+        return flat.numel() * flat.element_size()
+
+    def cmd_snapshot(self) -> tuple[torch.Tensor, Layout, int, int]:
+        """A copy of the state in shared memory; it outlives this process if the parent keeps it."""
+        assert self.flat is not None and self.layout is not None
+        snap = torch.empty(self.flat.numel()).share_memory_()
+        snap.copy_(self.flat)
+        return snap, self.layout, self.rank, self.step
+
+    def cmd_restore(self, snap: torch.Tensor, layout: Layout, rank: int, step: int) -> None:
+        """Load a snapshot (layout, rank must match the current process group)."""
+        self._install(layout, rank, snap.to(self.device, copy=True), step)
+        self._build_groups()
+
+    def cmd_shards(self) -> dict[str, tuple[int, int, torch.Tensor]]:
+        """Every local shard (params and Adam moments) with its logical range, for checks."""
+        assert self.smap is not None and self.flat is not None
+        out: dict[str, tuple[int, int, torch.Tensor]] = {}
+        for h in self.smap.holdings():
+            out[h.tensor] = (h.start, h.end, self.flat[h.offset : h.offset + h.numel].cpu().clone())
+        return out
+
+    def cmd_info(self) -> dict[str, Any]:
+        """Pid, layout, rank, step and state bytes of this worker."""
+        return {
+            "pid": os.getpid(),
+            "layout": self.layout,
+            "rank": self.rank,
+            "step": self.step,
+            "state_bytes": 0 if self.flat is None else self.flat.numel() * 4,
+        }
+
+    # ----- training -------------------------------------------------------------------------
+    def cmd_train(self, steps: int) -> list[StepStats]:
+        """Run `steps` optimizer steps in the current layout."""
+        return [self._train_step() for _ in range(steps)]
+
+    def _train_step(self) -> StepStats:
+        assert self.layout is not None and self.flat is not None and self.grad_flat is not None
+        t0 = time.perf_counter()
+        lay, c = self.layout, self.layout.coords(self.rank)
+        gbs, mbs = self.spec.global_batch_size, self.spec.micro_batch_size
+        per_dp = gbs // lay.dp
+        batch = self.job.batch(self.step, gbs)
+        batch = {
+            k: v[c.dp * per_dp : (c.dp + 1) * per_dp].to(self.device) for k, v in batch.items()
+        }
+        micro = [
+            {k: v[m * mbs : (m + 1) * mbs] for k, v in batch.items()} for m in range(per_dp // mbs)
+        ]
+        blocks = split_blocks(self.n_blocks, lay.pp)[c.pp]
+        for p in self.params.values():
+            p.grad = None
+        if lay.pp == 1:
+            loss_sum = 0.0
+            for mb in micro:
+                h = self.job.embed(self.params, mb)
+                for i in blocks:
+                    h = self.job.block(i, self.params, h, self.tp)
+                loss = self.job.head_loss(self.params, h, mb) / gbs
+                loss.backward()
+                loss_sum += float(loss.detach())
+            loss_part: float | None = loss_sum if c.tp == 0 else None
+        else:
+            loss_part = self._gpipe(micro, blocks, c.pp, gbs)
+            if c.tp != 0:
+                loss_part = None
+        self._optimizer_step()
+        self.step += 1
+        return StepStats(self.step - 1, loss_part, time.perf_counter() - t0)
+
+    def _gpipe(
+        self, micro: list[dict[str, torch.Tensor]], blocks: range, stage: int, gbs: int
+    ) -> float | None:
+        """GPipe: all forwards, then all backwards, activations sent with p2p between stages.
+
+        Hand-written rather than torch.distributed.pipelining: that API owns the model split
+        and the stage modules, while here stages are rebuilt from flat shards at every switch.
+        """
+        assert self.layout is not None
+        lay = self.layout
+        stride = lay.dp * lay.tp
+        prev_rank, next_rank = self.rank - stride, self.rank + stride
+        first, last = stage == 0, stage == lay.pp - 1
+        saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        pending: list[Any] = []
+        keep: list[torch.Tensor] = []
+        for mb in micro:
+            h_in: torch.Tensor | None = None
+            if first:
+                h = self.job.embed(self.params, mb)
+            else:
+                header = torch.zeros(8, dtype=torch.int64, device=self.device)
+                dist.recv(header, prev_rank)
+                shape = tuple(int(x) for x in header[1 : 1 + int(header[0])])
+                h_in = torch.empty(shape, device=self.device)
+                dist.recv(h_in, prev_rank)
+                h_in.requires_grad_(True)
+                h = h_in
+            for i in blocks:
+                h = self.job.block(i, self.params, h, self.tp)
+            if last:
+                out = self.job.head_loss(self.params, h, mb) / gbs
+            else:
+                out = h
+                header = torch.zeros(8, dtype=torch.int64, device=self.device)
+                header[0] = h.dim()
+                header[1 : 1 + h.dim()] = torch.tensor(h.shape)
+                act = h.detach().contiguous()
+                keep += [header, act]
+                pending.append(dist.isend(header, next_rank))
+                pending.append(dist.isend(act, next_rank))
+            saved.append((h_in, out))
+        loss_sum = 0.0
+        for h_in, out in saved:
+            if last:
+                out.backward()
+                loss_sum += float(out.detach())
+            else:
+                grad = torch.empty_like(out)
+                dist.recv(grad, next_rank)
+                torch.autograd.backward(out, grad)
+            if h_in is not None:
+                assert h_in.grad is not None
+                g = h_in.grad.contiguous()
+                keep.append(g)
+                pending.append(dist.isend(g, prev_rank))
+        for w in pending:
+            w.wait()
+        return loss_sum if last else None
+
+    def _optimizer_step(self) -> None:
+        """Average gradients over DP, then AdamW on the flat buffer.
+
+        Hand-written AdamW (same arithmetic as torch.optim.AdamW's single-tensor path) because
+        its state must live in our flat buffer with the parameters' exact shard geometry.
+        """
+        assert self.smap is not None and self.flat is not None and self.grad_flat is not None
+        g = self.grad_flat
+        for ps in self.smap.params:
+            p = self.params[ps.spec.name]
+            n = ps.end - ps.start
+            if p.grad is None:
+                g[ps.offset : ps.offset + n].zero_()
+            else:
+                g[ps.offset : ps.offset + n].copy_(p.grad.reshape(-1))
+        if self.dp_group is not None:
+            dist.all_reduce(g, group=self.dp_group)
+        opt = self.spec.optimizer
+        n = self.smap.n_param_elems
+        with torch.no_grad():
+            param, m, v = self.flat[:n], self.flat[n : 2 * n], self.flat[2 * n :]
+            t = self.step + 1
+            if opt.weight_decay:
+                param.mul_(1 - opt.lr * opt.weight_decay)
+            m.lerp_(g, 1 - opt.beta1)
+            v.mul_(opt.beta2).addcmul_(g, g, value=1 - opt.beta2)
+            bc1 = 1 - opt.beta1**t
+            bc2_sqrt = math.sqrt(1 - opt.beta2**t)
+            denom = (v.sqrt() / bc2_sqrt).add_(opt.eps)
+            param.addcdiv_(m, denom, value=-opt.lr / bc1)
+
+    # ----- hot switch -----------------------------------------------------------------------
+    def cmd_switch_prepare(
+        self,
+        plan: SwitchPlan,
+        group_rank: dict[int, int],
+        new_layout: Layout | None,
+        new_rank: int,
+        step: int,
+    ) -> ExecStats:
+        """Move state into a new buffer for (new_layout, new_rank); the old one stays intact."""
+        if self.cfg.fail_at == "switch":
+            os._exit(17)
+        new_numel = None
+        if new_layout is not None:
+            new_numel = shard_map(self.specs, self.n_blocks, new_layout, new_rank).n_state_elems
+        new_flat, stats = execute_plan(
+            plan, self.cfg.worker_id, self.flat, new_numel, group_rank, self.buffers
+        )
+        self._pending = (new_layout, new_rank, new_flat, step)
+        return stats
+
+    def cmd_switch_commit(self) -> None:
+        """Adopt the prepared state; a worker that leaves frees its memory."""
+        assert self._pending is not None
+        layout, rank, flat, step = self._pending
+        self._pending = None
+        if layout is None or flat is None:
+            self.flat, self.params, self.grad_flat, self.smap = None, {}, None, None
+            self.layout, self.rank = None, -1
+            self.buffers.release()
+            return
+        self._install(layout, rank, flat, step)
+
+    def cmd_switch_abort(self) -> None:
+        """Drop the prepared state and keep the old one."""
+        self._pending = None
+
+    def cmd_arm_fault(self) -> None:
+        """Test hook: exit abruptly at the start of the next switch."""
+        self.cfg = dataclasses.replace(self.cfg, fail_at="switch")
+
+    def cmd_build_groups(self) -> None:
+        """Create the current layout's TP/DP sub-groups (after a join)."""
+        self._build_groups()
+
+
+def worker_main(conn: Connection, cfg: WorkerConfig) -> None:
+    """Entry point of a worker process: answer commands until `exit`."""
+    torch.set_num_threads(1)
+    try:
+        worker = Worker(cfg)
+    except Exception as exc:  # report start-up failures instead of dying silently
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ok", os.getpid()))
+    while True:
+        try:
+            cmd, kwargs = conn.recv()
+        except EOFError:
+            break
+        if cmd == "exit":
+            conn.send(("ok", None))
+            break
+        handler: Callable[..., Any] = getattr(worker, f"cmd_{cmd}")
+        try:
+            conn.send(("ok", handler(**kwargs)))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
