@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from sqlalchemy import text
 
 from scheduler_service.cluster.router import router as cluster_router
 from scheduler_service.db.session import make_engine, make_session_factory
-from scheduler_service.deps import SessionDep
+from scheduler_service.deps import SessionDep, reject_unknown_query_params
 from scheduler_service.errors import install_error_handlers
 from scheduler_service.jobs.router import router as jobs_router
 from scheduler_service.metrics import make_registry
@@ -32,6 +32,7 @@ def create_app(settings: Settings, config: GreenflowConfig) -> FastAPI:
         title="GreenFlow scheduler",
         version="0.1.0",
         description="Carbon-aware scheduling of elastic deep-learning training jobs.",
+        dependencies=[Depends(reject_unknown_query_params)],
     )
     app.state.settings = settings
     app.state.config = config

@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
+from fastapi.dependencies.models import Dependant
+from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -76,3 +78,27 @@ def get_config(request: Request) -> GreenflowConfig:
 
 
 ConfigDep = Annotated[GreenflowConfig, Depends(get_config)]
+
+
+def _query_param_names(dependant: Dependant) -> set[str]:
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_param_names(sub)
+    return names
+
+
+def reject_unknown_query_params(request: Request) -> None:
+    """422 for query parameters the route does not declare (a typo must not be silently ignored)."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    known = _query_param_names(dependant)
+    unknown = sorted(set(request.query_params.keys()) - known)
+    if unknown:
+        raise RequestValidationError(
+            [
+                {"loc": ["query", name], "msg": "unknown query parameter", "type": "extra_forbidden"}
+                for name in unknown
+            ]
+        )

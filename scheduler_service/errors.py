@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from scheduler_service.exceptions import FieldError, NotAllowed
 from scheduler_service.jobs.service import JobNotFound, SubmissionConflict
@@ -14,8 +17,25 @@ def _detail(status_code: int, message: str) -> JSONResponse:
     return JSONResponse(status_code=status_code, content={"detail": message})
 
 
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the mapping from domain errors to 4xx responses."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            # Starlette lists only the first matching route's methods; list every route's.
+            allow = ", ".join(_allowed_methods(app, request))
+            return JSONResponse({"detail": exc.detail}, status_code=405, headers={"Allow": allow})
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(JobNotFound)
     async def _not_found(_: Request, exc: JobNotFound) -> JSONResponse:

@@ -14,3 +14,16 @@ class FieldError(Exception):
 
 class NotAllowed(Exception):
     """The caller's role does not permit this action."""
+
+
+# OpenAPI documentation of the error answers (the body is always {"detail": ...}).
+def error_responses(*codes: int) -> dict[int | str, dict[str, str]]:
+    """`responses=` entries for the given 4xx codes, for routers and routes."""
+    text = {
+        400: "The body is not valid JSON.",
+        401: "Missing, unknown or revoked bearer token.",
+        403: "The token's role may not do this.",
+        404: "No such resource, or not one the caller may see.",
+        409: "Conflicts with the resource's current state.",
+    }
+    return {code: {"description": text[code]} for code in codes}

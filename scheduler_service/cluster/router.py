@@ -6,11 +6,12 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from scheduler_service.deps import SessionDep, UserOrOperator
+from scheduler_service.exceptions import error_responses
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
 
-router = APIRouter(prefix="/v1", tags=["cluster"])
+router = APIRouter(prefix="/v1", tags=["cluster"], responses=error_responses(401, 403))
 
 
 class ClusterSummary(BaseModel):

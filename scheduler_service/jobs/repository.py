@@ -68,7 +68,7 @@ class JobRepository:
     def count_by_state(self) -> dict[str, int]:
         """Number of jobs in each state."""
         rows = self.session.execute(select(Job.state, func.count()).group_by(Job.state))
-        return {state: count for state, count in rows.tuples()}
+        return {state: count for state, count in rows}
 
     def events(self, job_id: int, *, limit: int, offset: int) -> list[JobEvent]:
         """A job's events in the order they happened."""

@@ -7,11 +7,19 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Path, Query, Response, status
 
 from scheduler_service.deps import Operator, SessionDep, UserOrOperator
+from scheduler_service.exceptions import error_responses
 from scheduler_service.jobs import service
-from scheduler_service.jobs.schemas import CancelRequest, JobEventOut, JobOut, JobPage, JobSpec
+from scheduler_service.jobs.schemas import (
+    CancelRequest,
+    JobEventOut,
+    JobOut,
+    JobPage,
+    JobSpec,
+    PriorityChange,
+)
 from scheduler_service.jobs.states import JobState
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 403))
 
 JobId = Annotated[int, Path(ge=1, le=2**62, description="The job's id.")]
 Limit = Annotated[int, Query(ge=1, le=500)]
@@ -22,7 +30,8 @@ Offset = Annotated[int, Query(ge=0, le=10**9)]
     "",
     status_code=status.HTTP_201_CREATED,
     responses={
-        200: {"model": JobOut, "description": "Already submitted under this submission_id."}
+        200: {"model": JobOut, "description": "Already submitted under this submission_id."},
+        **error_responses(400, 409),
     },
 )
 def submit_job(
@@ -56,13 +65,13 @@ def list_jobs(
     )
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", responses=error_responses(404))
 def get_job(job_id: JobId, session: SessionDep, caller: UserOrOperator) -> JobOut:
     """One job."""
     return JobOut.model_validate(service.get_visible_job(session, caller, job_id))
 
 
-@router.get("/{job_id}/events")
+@router.get("/{job_id}/events", responses=error_responses(404))
 def get_job_events(
     job_id: JobId,
     session: SessionDep,
@@ -75,7 +84,7 @@ def get_job_events(
     return [JobEventOut.model_validate(e) for e in events]
 
 
-@router.post("/{job_id}/cancel")
+@router.post("/{job_id}/cancel", responses=error_responses(400, 404, 409))
 def cancel_job(
     job_id: JobId,
     session: SessionDep,
@@ -87,24 +96,26 @@ def cancel_job(
     return JobOut.model_validate(service.cancel_job(session, caller, job_id, reason=reason))
 
 
-@router.post("/{job_id}/hold")
+@router.post("/{job_id}/hold", responses=error_responses(404, 409))
 def hold_job(job_id: JobId, session: SessionDep, caller: Operator) -> JobOut:
     """Keep a job off the GPUs until released (operators)."""
     return JobOut.model_validate(service.set_hold(session, caller, job_id, held=True))
 
 
-@router.post("/{job_id}/release")
+@router.post("/{job_id}/release", responses=error_responses(404, 409))
 def release_job(job_id: JobId, session: SessionDep, caller: Operator) -> JobOut:
     """Let a held job be scheduled again (operators)."""
     return JobOut.model_validate(service.set_hold(session, caller, job_id, held=False))
 
 
-@router.post("/{job_id}/priority")
+@router.post("/{job_id}/priority", responses=error_responses(400, 404, 409))
 def change_priority(
     job_id: JobId,
     session: SessionDep,
     caller: Operator,
-    priority: Annotated[int, Body(embed=True, ge=0, le=100)],
+    body: PriorityChange,
 ) -> JobOut:
     """Change a job's priority (operators)."""
-    return JobOut.model_validate(service.set_priority(session, caller, job_id, priority=priority))
+    return JobOut.model_validate(
+        service.set_priority(session, caller, job_id, priority=body.priority)
+    )

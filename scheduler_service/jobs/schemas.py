@@ -6,7 +6,18 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Self
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
 
 from scheduler_service.jobs.states import JobState
 from worker_agent.protocol import WORKLOAD_PATTERN, WORKLOAD_PRESETS
@@ -14,10 +25,25 @@ from worker_agent.protocol import WORKLOAD_PATTERN, WORKLOAD_PRESETS
 MAX_GPUS_PER_JOB = 4096
 
 
+def _iso_text(value: Any) -> Any:
+    # Numbers would be read as Unix times; the schema promises an ISO 8601 string.
+    if not isinstance(value, str | datetime):
+        raise ValueError("must be an ISO 8601 date-time string with a time zone")
+    return value
+
+
+IsoDatetime = Annotated[AwareDatetime, BeforeValidator(_iso_text)]
+
+
 class JobSpec(BaseModel):
     """What a user submits: the work, its size, its GPU range and its timing."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [{"required": ["total_samples"]}, {"required": ["total_steps"]}]
+        },
+    )
 
     name: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^\S(.*\S)?$")]
     workload: Annotated[
@@ -33,29 +59,40 @@ class JobSpec(BaseModel):
             json_schema_extra={"pattern": WORKLOAD_PATTERN},
         ),
     ]
-    global_batch_size: Annotated[int, Field(ge=1, le=1_048_576)]
-    total_samples: Annotated[int | None, Field(ge=1, le=10**15)] = None
-    total_steps: Annotated[int | None, Field(ge=1, le=10**12)] = None
-    min_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_JOB)] = 1
-    max_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_JOB)] = 1
-    deadline: AwareDatetime | None = Field(
+    global_batch_size: Annotated[int, Strict(), Field(ge=1, le=1_048_576)]
+    # Exactly one of the two (the schema says so with oneOf below).
+    total_samples: Annotated[int, Strict(), Field(ge=1, le=10**15)] | SkipJsonSchema[None] = None
+    total_steps: Annotated[int, Strict(), Field(ge=1, le=10**12)] | SkipJsonSchema[None] = None
+    min_gpus: Annotated[int, Strict(), Field(ge=1, le=MAX_GPUS_PER_JOB)] = 1
+    max_gpus: Annotated[int, Strict(), Field(ge=1, le=MAX_GPUS_PER_JOB)] = 1
+    deadline: IsoDatetime | None = Field(
         default=None, description="Absolute time, with a time zone."
     )
-    begin_after: AwareDatetime | None = None
-    priority: Annotated[int, Field(ge=0, le=100)] = 1
+    begin_after: IsoDatetime | None = None
+    priority: Annotated[int, Strict(), Field(ge=0, le=100)] = 1
     queue: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")] = (
         "default"
     )
     submission_id: Annotated[
         str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     ] = None
-    best_effort: bool = Field(
+    best_effort: StrictBool = Field(
         default=False,
         description="Queue without a deadline guarantee if the deadline cannot be met.",
     )
-    run_past_deadline: bool = Field(
+    run_past_deadline: StrictBool = Field(
         default=False, description="Keep running after a missed deadline."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_explicit_null_totals(cls, data: Any) -> Any:
+        # Omit the total you do not give; an explicit null is a schema violation.
+        if isinstance(data, dict):
+            for key in ("total_samples", "total_steps"):
+                if key in data and data[key] is None:
+                    raise ValueError(f"{key} must be an integer; omit it instead of sending null")
+        return data
 
     @field_validator("workload")
     @classmethod
@@ -155,3 +192,11 @@ class CancelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: Annotated[str, Field(max_length=500)] = "cancelled by request"
+
+
+class PriorityChange(BaseModel):
+    """A job's new priority."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    priority: Annotated[int, Strict(), Field(ge=0, le=100)]

@@ -1,0 +1,118 @@
+"""Alembic: one head, models and migrations agree, upgrade/downgrade with rows present."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, text
+
+from scheduler_service.db import migrate
+from scheduler_service.db.base import Base
+from scheduler_service.db.models import (
+    Allocation,
+    ApiToken,
+    GpuSlot,
+    Job,
+    JobEvent,
+    LedgerEntry,
+    Node,
+    TelemetrySample,
+)
+from scheduler_service.db.session import make_engine, make_session_factory, transaction
+
+
+def test_single_head() -> None:
+    assert len(migrate.head_revisions()) == 1
+
+
+def test_models_and_migrations_agree(database_url: str) -> None:
+    engine = make_engine(database_url)
+    with engine.connect() as conn:
+        diff = compare_metadata(
+            MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata
+        )
+    engine.dispose()
+    assert diff == []
+
+
+def _seed(database_url: str) -> None:
+    now = datetime.now(UTC)
+    engine = make_engine(database_url)
+    with transaction(make_session_factory(engine)) as session:
+        session.add(ApiToken(token_id="t1", secret_sha256="0" * 64, name="ops", role="operator"))
+        job = Job(
+            owner="alice",
+            name="j",
+            workload="gpt2",
+            global_batch_size=8,
+            total_samples=80,
+            min_gpus=1,
+            max_gpus=2,
+            state="RUNNING",
+            state_reason="x",
+            created_at=now,
+            updated_at=now,
+        )
+        node = Node(name="n1", agent_url="http://127.0.0.1:1")
+        session.add_all([job, node])
+        session.flush()
+        session.add_all(
+            [
+                JobEvent(job_id=job.id, to_state="RUNNING", reason="test"),
+                GpuSlot(node_id=node.id, index=0, job_id=job.id),
+                Allocation(job_id=job.id, generation=1, node_id=node.id, gpus=1, slot_indices=[0]),
+                TelemetrySample(
+                    sample_id="s1",
+                    job_id=job.id,
+                    node_id=node.id,
+                    at=now,
+                    interval_s=5,
+                    step=1,
+                    samples_done=8,
+                    samples_per_s=1.6,
+                    gpus=1,
+                    power_w=100,
+                    energy_kwh=0.0001,
+                    power_source="estimated",
+                ),
+                LedgerEntry(
+                    job_id=job.id,
+                    period_start=now,
+                    period_end=now,
+                    interval_start=now,
+                    interval_end=now,
+                    energy_kwh=0.0001,
+                    pue=1.2,
+                    intensity_g_per_kwh=300,
+                    emissions_kg=0.0000036,
+                ),
+            ]
+        )
+    engine.dispose()
+
+
+def test_upgrade_and_downgrade_with_rows_present(database_url: str) -> None:
+    _seed(database_url)
+    engine = make_engine(database_url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 1
+    migrate.downgrade(database_url, "base")
+    assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
+    migrate.upgrade(database_url)
+    assert {"jobs", "job_events", "allocations", "ledger_entries"} <= set(
+        inspect(engine).get_table_names()
+    )
+    engine.dispose()
+    assert migrate.current_revision(database_url) == migrate.head_revisions()[0]
+
+
+def test_timestamps_come_back_as_utc(database_url: str) -> None:
+    _seed(database_url)
+    engine = make_engine(database_url)
+    with make_session_factory(engine)() as session:
+        job = session.query(Job).one()
+        assert job.created_at.tzinfo is not None
+        assert job.created_at.utcoffset() == UTC.utcoffset(None)
+    engine.dispose()

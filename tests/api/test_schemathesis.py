@@ -1,0 +1,45 @@
+"""Property-based tests of the whole API from its OpenAPI schema: no 5xx, responses match the schema."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from scheduler_service.app import create_app
+from scheduler_service.db import migrate
+from scheduler_service.settings import GreenflowConfig, Settings
+from tests.api.conftest import make_tokens
+
+# schemathesis loads the schema at import time (its fixture-based loader does not work with
+# pytest 9), so the app gets its own migrated SQLite database here.
+_DB_URL = f"sqlite:///{Path(tempfile.mkdtemp(prefix='greenflow-st-')) / 'api.db'}"
+migrate.upgrade(_DB_URL)
+_TOKENS = make_tokens(_DB_URL)
+_APP = create_app(Settings(database_url=_DB_URL, run_control_loop=False), GreenflowConfig())
+
+schema = schemathesis.openapi.from_asgi("/openapi.json", _APP)
+
+
+# Rules JSON Schema cannot state (min_gpus <= max_gpus, a deadline in the future and after
+# begin_after) make some schema-valid bodies a correct 422, so that one check is left out.
+EXCLUDED = [positive_data_acceptance]
+
+
+@schema.parametrize()
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+def test_api_conforms_to_its_schema_as_operator(case: schemathesis.Case) -> None:
+    case.call_and_validate(
+        headers={"Authorization": f"Bearer {_TOKENS.operator}"}, excluded_checks=EXCLUDED
+    )
+
+
+@schema.parametrize()
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+def test_api_conforms_to_its_schema_as_user(case: schemathesis.Case) -> None:
+    case.call_and_validate(
+        headers={"Authorization": f"Bearer {_TOKENS.alice}"}, excluded_checks=EXCLUDED
+    )
