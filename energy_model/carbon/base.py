@@ -144,7 +144,8 @@ class HttpProvider:
                 f"GET {path} rate limited: {_error_message(response)}",
                 retry_after_s=retry_after_s,
             )
-        if response.status_code >= 500:
+        # 501 Not Implemented is permanent (e.g. a source without forecasts): not retried.
+        if response.status_code >= 500 and response.status_code != 501:
             raise ProviderUnavailable(
                 self.name,
                 f"GET {path} server error: {_error_message(response)}",
