@@ -1,0 +1,1 @@
+"""Carbon-budgeted GPU allocation: problem data, the OR-Tools solver, baselines, policy registry."""

@@ -1,0 +1,453 @@
+"""Plain data of the allocation problem and plan, and the one objective every policy is judged on.
+
+Times inside a problem are seconds from `AllocationProblem.start_at`; `start_at` itself is a
+timezone-aware UTC datetime so plans can be mapped back to wall-clock time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+import numpy as np
+
+GRAMS_PER_KG = 1000.0
+SECONDS_PER_HOUR = 3600.0
+WATTS_PER_KILOWATT = 1000.0
+
+
+class BudgetMode(StrEnum):
+    """How the carbon budget binds: `hard` = constraint per period, `soft` = priced only."""
+
+    HARD = "hard"
+    SOFT = "soft"
+
+
+class InvalidProblem(ValueError):
+    """The problem's data is inconsistent (the message names the field)."""
+
+
+def allowed_gpu_counts(min_gpus: int, max_gpus: int, powers_of_two: bool = True) -> tuple[int, ...]:
+    """GPU counts a job may run at: powers of two in [min_gpus, max_gpus] by default."""
+    if min_gpus < 1 or max_gpus < min_gpus:
+        raise InvalidProblem(f"need 1 <= min_gpus <= max_gpus, got {min_gpus}, {max_gpus}")
+    if not powers_of_two:
+        return tuple(range(min_gpus, max_gpus + 1))
+    counts = tuple(2**i for i in range(0, 31) if min_gpus <= 2**i <= max_gpus)
+    if not counts:
+        raise InvalidProblem(f"no power of two between min_gpus={min_gpus} and max_gpus={max_gpus}")
+    return counts
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job as the solver sees it: its options (counts, speed, power) and its remaining work."""
+
+    job_id: str
+    allowed_gpus: tuple[int, ...]
+    throughput_samples_per_s: tuple[float, ...]  # one per allowed count
+    power_w: tuple[float, ...]  # total job power at each allowed count
+    remaining_samples: float
+    deadline_s: float | None = None  # seconds from problem start; None = no deadline
+    priority: float = 1.0
+    current_gpus: int = 0
+    best_effort: bool = False  # admitted without a deadline guarantee when it cannot be met
+
+    def __post_init__(self) -> None:
+        n = len(self.allowed_gpus)
+        if n == 0:
+            raise InvalidProblem(f"job {self.job_id}: allowed_gpus is empty")
+        if list(self.allowed_gpus) != sorted(set(self.allowed_gpus)) or self.allowed_gpus[0] < 1:
+            raise InvalidProblem(f"job {self.job_id}: allowed_gpus must be increasing and >= 1")
+        if len(self.throughput_samples_per_s) != n or len(self.power_w) != n:
+            raise InvalidProblem(
+                f"job {self.job_id}: throughput_samples_per_s and power_w need one value per "
+                f"allowed count ({n})"
+            )
+        if any(not (v > 0 and math.isfinite(v)) for v in self.throughput_samples_per_s):
+            raise InvalidProblem(f"job {self.job_id}: throughput_samples_per_s must be > 0")
+        if any(not (v >= 0 and math.isfinite(v)) for v in self.power_w):
+            raise InvalidProblem(f"job {self.job_id}: power_w must be >= 0")
+        if not self.remaining_samples > 0:
+            raise InvalidProblem(f"job {self.job_id}: remaining_samples must be > 0")
+        if self.priority <= 0:
+            raise InvalidProblem(f"job {self.job_id}: priority must be > 0")
+        if self.current_gpus != 0 and self.current_gpus not in self.allowed_gpus:
+            raise InvalidProblem(
+                f"job {self.job_id}: current_gpus {self.current_gpus} is not an allowed count"
+            )
+
+    @property
+    def max_throughput_samples_per_s(self) -> float:
+        """Fastest rate over the allowed counts."""
+        return max(self.throughput_samples_per_s)
+
+    def index_of(self, gpus: int) -> int:
+        """Position of `gpus` in `allowed_gpus` (-1 for 0 GPUs)."""
+        return -1 if gpus == 0 else self.allowed_gpus.index(gpus)
+
+
+@dataclass(frozen=True)
+class BudgetPeriod:
+    """Carbon budget still unspent in one budget period (a day, a week) touched by the horizon."""
+
+    start_s: float  # period bounds in seconds from problem start (may be negative / past horizon)
+    end_s: float
+    budget_left_kg: float
+
+
+@dataclass(frozen=True)
+class AllocationProblem:
+    """Everything one planning tick needs: slots, capacity, carbon, budget and jobs."""
+
+    start_at: datetime
+    slot_s: float
+    capacity_gpus: tuple[int, ...]  # one per slot; its length is the horizon
+    intensity_g_per_kwh: tuple[float, ...]  # forecast, one per slot
+    jobs: tuple[JobSpec, ...]
+    pue: float = 1.0
+    budget_periods: tuple[BudgetPeriod, ...] = ()
+    budget_mode: BudgetMode = BudgetMode.HARD
+    # Seconds of priority-weighted completion time that one kg CO2e is worth (soft trade-off).
+    carbon_price_s_per_kg: float = 0.0
+    # Priority-weighted seconds charged per GPU-count change: a tie-breaker towards stable plans.
+    change_cost_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.start_at.tzinfo is None:
+            raise InvalidProblem("start_at must be timezone-aware UTC")
+        if self.slot_s <= 0:
+            raise InvalidProblem(f"slot_s must be > 0, got {self.slot_s}")
+        if not self.capacity_gpus:
+            raise InvalidProblem("capacity_gpus is empty: the horizon needs at least one slot")
+        if len(self.intensity_g_per_kwh) != len(self.capacity_gpus):
+            raise InvalidProblem("intensity_g_per_kwh needs one value per slot of capacity_gpus")
+        if any(c < 0 for c in self.capacity_gpus):
+            raise InvalidProblem("capacity_gpus must be >= 0")
+        if any(not (i >= 0 and math.isfinite(i)) for i in self.intensity_g_per_kwh):
+            raise InvalidProblem("intensity_g_per_kwh must be finite and >= 0")
+        if self.pue < 1.0:
+            raise InvalidProblem(f"pue must be >= 1, got {self.pue}")
+        if len({j.job_id for j in self.jobs}) != len(self.jobs):
+            raise InvalidProblem("job_id values must be unique")
+        if self.carbon_price_s_per_kg < 0 or self.change_cost_s < 0:
+            raise InvalidProblem("carbon_price_s_per_kg and change_cost_s must be >= 0")
+
+    @property
+    def num_slots(self) -> int:
+        """Number of slots in the horizon."""
+        return len(self.capacity_gpus)
+
+    @property
+    def horizon_s(self) -> float:
+        """Length of the horizon in seconds."""
+        return self.num_slots * self.slot_s
+
+    def slot_emissions_kg_per_w(self) -> np.ndarray:
+        """kg CO2e per W of IT power drawn for one whole slot, per slot (PUE included)."""
+        intensity = np.asarray(self.intensity_g_per_kwh, dtype=float)
+        hours = self.slot_s / SECONDS_PER_HOUR
+        return intensity * hours * self.pue / WATTS_PER_KILOWATT / GRAMS_PER_KG
+
+    def period_slots(self) -> list[tuple[BudgetPeriod, np.ndarray]]:
+        """Per budget period, the share of each slot that lies inside it (0..1)."""
+        starts = np.arange(self.num_slots) * self.slot_s
+        ends = starts + self.slot_s
+        out = []
+        for period in self.budget_periods:
+            overlap = np.clip(
+                np.minimum(ends, period.end_s) - np.maximum(starts, period.start_s), 0, None
+            )
+            share = overlap / self.slot_s
+            if share.any():
+                out.append((period, share))
+        return out
+
+    def deadline_position(self, job: JobSpec) -> tuple[int, float] | None:
+        """(slot holding the deadline, fraction of that slot before it); None without deadline.
+
+        A deadline at or beyond the horizon's end returns (num_slots, 0.0); before start, (0, 0).
+        """
+        if job.deadline_s is None:
+            return None
+        if job.deadline_s >= self.horizon_s:
+            return self.num_slots, 0.0
+        if job.deadline_s <= 0:
+            return 0, 0.0
+        slot = int(job.deadline_s // self.slot_s)
+        return slot, (job.deadline_s - slot * self.slot_s) / self.slot_s
+
+    def deadline_miss_cost_s(self) -> float:
+        """Weight of one missed deadline: above any other objective term, so misses come first."""
+        tail = sum(
+            j.priority * (j.remaining_samples / j.max_throughput_samples_per_s + self.slot_s)
+            for j in self.jobs
+        )
+        rest = sum(j.priority for j in self.jobs) * self.horizon_s + tail
+        carbon = (
+            self.carbon_price_s_per_kg
+            * sum(max(j.power_w) for j in self.jobs)
+            * float(self.slot_emissions_kg_per_w().sum())
+        )
+        changes = self.change_cost_s * len(self.jobs) * (self.num_slots + 1)
+        return 10.0 * (rest + carbon + changes + 1.0)
+
+
+@dataclass(frozen=True)
+class AllocationPlan:
+    """The solver's answer: GPUs per job per slot and what that plan is expected to cost."""
+
+    start_at: datetime
+    slot_s: float
+    gpus: dict[str, tuple[int, ...]]  # job_id -> GPU count per slot
+    completion_s: dict[str, float | None]  # projected finish, s from start (None: after horizon)
+    energy_kwh_per_slot: tuple[float, ...]
+    emissions_kg_per_slot: tuple[float, ...]
+    deadline_met: dict[str, bool]  # jobs with a deadline only
+    missed_reasons: dict[str, str]
+    gpu_changes: int
+    objective: float  # see plan_objective; lower is better
+    status: str  # optimal | feasible | heuristic | baseline
+    gap: float | None  # relative gap to the best bound (None: no bound known)
+    bound: float | None
+    solve_s: float
+    policy: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def energy_kwh(self) -> float:
+        """Total projected energy (kWh, facility side)."""
+        return float(sum(self.energy_kwh_per_slot))
+
+    @property
+    def emissions_kg(self) -> float:
+        """Total projected emissions (kg CO2e)."""
+        return float(sum(self.emissions_kg_per_slot))
+
+    def completion_at(self, job_id: str) -> datetime | None:
+        """Projected completion as a UTC datetime (None when beyond the horizon)."""
+        value = self.completion_s.get(job_id)
+        return None if value is None else self.start_at + timedelta(seconds=value)
+
+    def first_slot(self) -> dict[str, int]:
+        """GPU count per job for the slot about to start."""
+        return {job_id: counts[0] for job_id, counts in self.gpus.items()}
+
+
+@dataclass(frozen=True)
+class PlanEvaluation:
+    """Every figure of a GPU matrix under a problem (shared by the solver and the baselines)."""
+
+    completion_s: dict[str, float | None]
+    deadline_met: dict[str, bool]
+    energy_kwh_per_slot: np.ndarray
+    emissions_kg_per_slot: np.ndarray
+    gpu_changes: int
+    objective: float
+    capacity_ok: bool
+    allowed_ok: bool
+    budget_ok: bool
+    unfinished_slots: dict[str, int]
+
+
+class PlanArrays:
+    """Per-job option tables padded to a rectangle, for vectorised model building."""
+
+    def __init__(self, problem: AllocationProblem) -> None:
+        jobs = problem.jobs
+        self.num_jobs = len(jobs)
+        self.num_options = max((len(j.allowed_gpus) for j in jobs), default=1)
+        shape = (self.num_jobs, self.num_options)
+        self.gpus = np.zeros(shape, dtype=np.int64)
+        self.throughput = np.zeros(shape)
+        self.power_w = np.zeros(shape)
+        self.valid = np.zeros(shape, dtype=bool)
+        for i, job in enumerate(jobs):
+            n = len(job.allowed_gpus)
+            self.gpus[i, :n] = job.allowed_gpus
+            self.throughput[i, :n] = job.throughput_samples_per_s
+            self.power_w[i, :n] = job.power_w
+            self.valid[i, :n] = True
+        self.remaining = np.array([j.remaining_samples for j in jobs], dtype=float)
+        self.priority = np.array([j.priority for j in jobs], dtype=float)
+        # Fraction of the job's remaining work done by one whole slot at each option.
+        self.progress = (
+            self.throughput * problem.slot_s / np.maximum(self.remaining, 1e-12)[:, None]
+        )
+        self.max_throughput = np.array([j.max_throughput_samples_per_s for j in jobs], dtype=float)
+        # Slots still needed at the fastest rate per unit of leftover work fraction.
+        self.tail_slots = self.remaining / (self.max_throughput * problem.slot_s)
+
+
+def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> PlanEvaluation:
+    """Completion, energy, emissions, changes, checks and objective of a GPU matrix."""
+    num_slots = problem.num_slots
+    kg_per_w = problem.slot_emissions_kg_per_w()
+    energy = np.zeros(num_slots)
+    emissions = np.zeros(num_slots)
+    used = np.zeros(num_slots, dtype=np.int64)
+    completion: dict[str, float | None] = {}
+    met: dict[str, bool] = {}
+    unfinished: dict[str, int] = {}
+    changes = 0
+    allowed_ok = True
+    weighted_s = 0.0
+    misses = 0
+    for job in problem.jobs:
+        counts = gpus.get(job.job_id, (0,) * num_slots)
+        if len(counts) != num_slots:
+            raise InvalidProblem(
+                f"plan for job {job.job_id} has {len(counts)} slots, not {num_slots}"
+            )
+        done = 0.0
+        finish: float | None = None
+        previous = job.current_gpus
+        n_unfinished = 0
+        for t, g in enumerate(counts):
+            # A finished job handing its GPUs back is not a hot switch.
+            if g != previous and not (g == 0 and finish is not None):
+                changes += 1
+            previous = g
+            if g == 0:
+                if finish is None:
+                    n_unfinished += 1
+                continue
+            if g not in job.allowed_gpus:
+                allowed_ok = False
+                if finish is None:
+                    n_unfinished += 1
+                continue
+            k = job.allowed_gpus.index(g)
+            used[t] += g
+            if finish is not None:
+                # Allocated after finishing: the GPUs idle at idle-ish power; charge full power.
+                run_s = problem.slot_s
+            else:
+                rate = job.throughput_samples_per_s[k]
+                need_s = (job.remaining_samples - done) / rate
+                if need_s <= problem.slot_s + 1e-9:
+                    finish = t * problem.slot_s + need_s
+                    run_s = need_s
+                    done = job.remaining_samples
+                else:
+                    run_s = problem.slot_s
+                    done += rate * problem.slot_s
+                    n_unfinished += 1
+            energy_kwh = (
+                job.power_w[k] * run_s / SECONDS_PER_HOUR / WATTS_PER_KILOWATT * problem.pue
+            )
+            energy[t] += energy_kwh
+            emissions[t] += job.power_w[k] * kg_per_w[t] * run_s / problem.slot_s
+        completion[job.job_id] = finish
+        unfinished[job.job_id] = n_unfinished
+        leftover_fraction = max(0.0, 1.0 - done / job.remaining_samples)
+        tail = (
+            leftover_fraction
+            * job.remaining_samples
+            / (job.max_throughput_samples_per_s * problem.slot_s)
+        )
+        weighted_s += job.priority * problem.slot_s * (n_unfinished + tail)
+        if job.deadline_s is not None:
+            ok = finish is not None and finish <= job.deadline_s + 1e-6
+            if finish is None and job.deadline_s >= problem.horizon_s:
+                # Past the horizon the job may run at full speed until its deadline.
+                after_s = job.deadline_s - problem.horizon_s
+                ok = done + job.max_throughput_samples_per_s * after_s >= job.remaining_samples * (
+                    1 - 1e-9
+                )
+            met[job.job_id] = ok
+            misses += 0 if ok else 1
+    capacity_ok = bool(np.all(used <= np.asarray(problem.capacity_gpus)))
+    budget_ok = True
+    if problem.budget_mode is BudgetMode.HARD:
+        for period, share in problem.period_slots():
+            if float((emissions * share).sum()) > period.budget_left_kg * (1 + 1e-6) + 1e-9:
+                budget_ok = False
+    objective = (
+        problem.deadline_miss_cost_s() * misses
+        + weighted_s
+        + problem.carbon_price_s_per_kg * float(emissions.sum())
+        + problem.change_cost_s * changes
+    )
+    return PlanEvaluation(
+        completion_s=completion,
+        deadline_met=met,
+        energy_kwh_per_slot=energy,
+        emissions_kg_per_slot=emissions,
+        gpu_changes=changes,
+        objective=objective,
+        capacity_ok=capacity_ok,
+        allowed_ok=allowed_ok,
+        budget_ok=budget_ok,
+        unfinished_slots=unfinished,
+    )
+
+
+def plan_objective(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> float:
+    """The objective all policies are compared on (lower is better); see docs/allocation.md."""
+    return evaluate_gpus(problem, gpus).objective
+
+
+def missed_reason(problem: AllocationProblem, job: JobSpec) -> str:
+    """Why a job's deadline is missed: impossible alone, or lost to capacity/budget contention."""
+    assert job.deadline_s is not None
+    if job.deadline_s <= 0:
+        return "deadline already passed"
+    alone_s = job.remaining_samples / job.max_throughput_samples_per_s
+    if alone_s > job.deadline_s + 1e-6:
+        return (
+            f"needs {alone_s:.0f} s at its fastest allowed count ({max(job.allowed_gpus)} GPUs) "
+            f"but only {job.deadline_s:.0f} s are left"
+        )
+    if problem.budget_mode is BudgetMode.HARD and problem.budget_periods:
+        return "capacity or carbon budget is taken by other jobs' deadlines or exhausted"
+    return "capacity is taken by other jobs' deadlines"
+
+
+def make_plan(
+    problem: AllocationProblem,
+    gpus: dict[str, tuple[int, ...]],
+    *,
+    status: str,
+    policy: str,
+    solve_s: float,
+    bound: float | None = None,
+    notes: tuple[str, ...] = (),
+) -> AllocationPlan:
+    """Wrap a GPU matrix into an AllocationPlan with all projected figures filled in."""
+    ev = evaluate_gpus(problem, gpus)
+    gap = None
+    if bound is not None:
+        # Deadlines no plan can meet cost the same everywhere: leave them out of the gap.
+        certain = problem.deadline_miss_cost_s() * sum(
+            1
+            for j in problem.jobs
+            if j.deadline_s is not None
+            and j.remaining_samples / j.max_throughput_samples_per_s > j.deadline_s + 1e-6
+        )
+        gap = max(0.0, ev.objective - bound) / max(abs(ev.objective - certain), 1e-9)
+    reasons = {
+        job.job_id: missed_reason(problem, job)
+        for job in problem.jobs
+        if job.deadline_s is not None and not ev.deadline_met[job.job_id]
+    }
+    return AllocationPlan(
+        start_at=problem.start_at,
+        slot_s=problem.slot_s,
+        gpus={j.job_id: tuple(int(g) for g in gpus[j.job_id]) for j in problem.jobs},
+        completion_s=ev.completion_s,
+        energy_kwh_per_slot=tuple(float(x) for x in ev.energy_kwh_per_slot),
+        emissions_kg_per_slot=tuple(float(x) for x in ev.emissions_kg_per_slot),
+        deadline_met=ev.deadline_met,
+        missed_reasons=reasons,
+        gpu_changes=ev.gpu_changes,
+        objective=ev.objective,
+        status=status,
+        gap=gap,
+        bound=bound,
+        solve_s=solve_s,
+        policy=policy,
+        notes=notes,
+    )
