@@ -3,7 +3,8 @@
 Variables (all in one vector, minimised):
   x[o, t]  share of slot t that job option o (job j at one allowed count) runs; binary in the MIP
   c[j, t]  cumulative progress of job j by the end of slot t (fraction of its remaining work)
-  d[j, t]  1 when job j is finished at the end of slot t (d <= c)
+  d[j, t]  min(1, c[j, t]): the finished fraction (continuous: the objective is fractional
+           completion time, the area under each job's remaining-work curve)
   l[j]     leftover work fraction after the horizon (l >= 1 - c[j, T-1])
   m[j]     1 when job j misses its deadline (deadline jobs only)
   h[j, t]  1 when job j changes GPU count at the start of slot t (MIP only)
@@ -98,7 +99,6 @@ def build_model(
     upper[m0:h0] = 1.0
     upper[h0:] = 1.0
     integer[x0:c0] = True
-    integer[d0:l0] = True
     integer[m0:h0] = True
     integer[h0:] = True
 

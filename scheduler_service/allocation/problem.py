@@ -54,6 +54,7 @@ class JobSpec:
     priority: float = 1.0
     current_gpus: int = 0
     best_effort: bool = False  # admitted without a deadline guarantee when it cannot be met
+    requested_gpus: int = 0  # the count a fixed-size policy runs it at (0 = largest allowed)
 
     def __post_init__(self) -> None:
         n = len(self.allowed_gpus)
@@ -78,6 +79,14 @@ class JobSpec:
             raise InvalidProblem(
                 f"job {self.job_id}: current_gpus {self.current_gpus} is not an allowed count"
             )
+
+    @property
+    def fixed_gpus(self) -> int:
+        """The allowed count closest to `requested_gpus` from below (largest when unset)."""
+        if not self.requested_gpus:
+            return self.allowed_gpus[-1]
+        fitting = [g for g in self.allowed_gpus if g <= self.requested_gpus]
+        return fitting[-1] if fitting else self.allowed_gpus[0]
 
     @property
     def max_throughput_samples_per_s(self) -> float:
@@ -249,7 +258,7 @@ class PlanEvaluation:
     capacity_ok: bool
     allowed_ok: bool
     budget_ok: bool
-    unfinished_slots: dict[str, int]
+    unfinished_area: dict[str, float]  # slots x remaining fraction: fractional completion
 
 
 class PlanArrays:
@@ -290,7 +299,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     used = np.zeros(num_slots, dtype=np.int64)
     completion: dict[str, float | None] = {}
     met: dict[str, bool] = {}
-    unfinished: dict[str, int] = {}
+    unfinished: dict[str, float] = {}
     changes = 0
     allowed_ok = True
     weighted_s = 0.0
@@ -304,20 +313,15 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         done = 0.0
         finish: float | None = None
         previous = job.current_gpus
-        n_unfinished = 0
+        unfinished_area = 0.0  # sum over slots of the work fraction still left at the slot's end
         for t, g in enumerate(counts):
             # A finished job handing its GPUs back is not a hot switch.
             if g != previous and not (g == 0 and finish is not None):
                 changes += 1
             previous = g
-            if g == 0:
-                if finish is None:
-                    n_unfinished += 1
-                continue
-            if g not in job.allowed_gpus:
-                allowed_ok = False
-                if finish is None:
-                    n_unfinished += 1
+            if g == 0 or g not in job.allowed_gpus:
+                allowed_ok = allowed_ok and g == 0
+                unfinished_area += 1.0 - done / job.remaining_samples
                 continue
             k = job.allowed_gpus.index(g)
             used[t] += g
@@ -334,21 +338,21 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
                 else:
                     run_s = problem.slot_s
                     done += rate * problem.slot_s
-                    n_unfinished += 1
+            unfinished_area += 1.0 - done / job.remaining_samples
             energy_kwh = (
                 job.power_w[k] * run_s / SECONDS_PER_HOUR / WATTS_PER_KILOWATT * problem.pue
             )
             energy[t] += energy_kwh
             emissions[t] += job.power_w[k] * kg_per_w[t] * run_s / problem.slot_s
         completion[job.job_id] = finish
-        unfinished[job.job_id] = n_unfinished
+        unfinished[job.job_id] = unfinished_area
         leftover_fraction = max(0.0, 1.0 - done / job.remaining_samples)
         tail = (
             leftover_fraction
             * job.remaining_samples
             / (job.max_throughput_samples_per_s * problem.slot_s)
         )
-        weighted_s += job.priority * problem.slot_s * (n_unfinished + tail)
+        weighted_s += job.priority * problem.slot_s * (unfinished_area + tail)
         if job.deadline_s is not None:
             ok = finish is not None and finish <= job.deadline_s + 1e-6
             if finish is None and job.deadline_s >= problem.horizon_s:
@@ -381,7 +385,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         capacity_ok=capacity_ok,
         allowed_ok=allowed_ok,
         budget_ok=budget_ok,
-        unfinished_slots=unfinished,
+        unfinished_area=unfinished,
     )
 
 
