@@ -134,6 +134,7 @@ class JobRunner:
         self._driver: threading.Thread | None = None
         self._driver_error: BaseException | None = None
         self._armed_fault: int | None = None
+        self._reapers: list[threading.Thread] = []
 
     # ----- public API -----------------------------------------------------------------------
     def start(
@@ -294,6 +295,9 @@ class JobRunner:
             self.pause()
         for h in self._ranks:
             self._release(h)
+        for t in self._reapers:
+            t.join()
+        self._reapers = []
         self._ranks = []
         self._layout = None
         self._snapshot = {}
@@ -410,12 +414,22 @@ class JobRunner:
         self._samples_per_s = self._spec.global_batch_size * steps / wall_s if wall_s > 0 else 0.0
         return out
 
-    def _release(self, h: _Handle) -> None:
+    def _release(self, h: _Handle, wait: bool = True) -> None:
+        """Ask a worker to exit; with wait=False the process is reaped later by `_reap`."""
         with contextlib.suppress(Exception):
             if h.proc.is_alive():
                 h.conn.send(("exit", {}))
-                if h.conn.poll(5):
-                    h.conn.recv()
+        if wait:
+            self._reap(h)
+
+    def _reap_all(self, handles: list[_Handle]) -> None:
+        for h in handles:
+            self._reap(h)
+
+    def _reap(self, h: _Handle) -> None:
+        with contextlib.suppress(Exception):
+            if h.proc.is_alive() and h.conn.poll(5):
+                h.conn.recv()
         h.proc.join(timeout=5)
         if h.proc.is_alive():
             h.proc.kill()
@@ -522,7 +536,7 @@ class JobRunner:
         t0 = time.perf_counter()
         self._call([(h, "switch_commit", {}) for h in union])
         for h in leaving:
-            self._release(h)
+            self._release(h, wait=False)
         same_group = [h.worker_id for h in union] == [h.worker_id for h in target]
         if not same_group:
             self._join(target)
@@ -530,7 +544,7 @@ class JobRunner:
         self._layout = new_layout
         self._call([(h, "build_groups", {}) for h in target])
         regroup_s += time.perf_counter() - t0
-        return self._report(
+        report = self._report(
             old_layout,
             new_layout,
             plan,
@@ -545,6 +559,14 @@ class JobRunner:
             added,
             leaving,
         )
+        # Reaping exited workers takes ~1 s of interpreter teardown; training need not wait for it.
+        if leaving:
+            reaper = threading.Thread(
+                target=self._reap_all, args=(leaving,), name="greenflow-reaper"
+            )
+            reaper.start()
+            self._reapers.append(reaper)
+        return report
 
     def _report(
         self,

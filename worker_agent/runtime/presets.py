@@ -216,7 +216,7 @@ class MLPJob:
     def param_specs(self) -> list[ParamSpec]:
         s = self.spec
         out = [
-            ParamSpec("embed.w", (self.d, s.n_features), "replicated", -1),
+            ParamSpec("embed.w", (self.d, s.n_features), "replicated", -1, s.n_features**-0.5),
             ParamSpec("embed.b", (self.d,), "replicated", -1, init_const=0.0),
         ]
         for i in range(s.n_layers):
@@ -224,12 +224,14 @@ class MLPJob:
             out += [
                 ParamSpec(p + "ln.w", (self.d,), "replicated", i, init_const=1.0),
                 ParamSpec(p + "ln.b", (self.d,), "replicated", i, init_const=0.0),
-                ParamSpec(p + "fc1.w", (self.ffn, self.d), "split0", i),
+                ParamSpec(p + "fc1.w", (self.ffn, self.d), "split0", i, self.d**-0.5),
                 ParamSpec(p + "fc1.b", (self.ffn,), "split0", i, init_const=0.0),
-                ParamSpec(p + "fc2.w", (self.ffn, self.d), "split0", i),
+                ParamSpec(p + "fc2.w", (self.ffn, self.d), "split0", i, 0.5 * self.ffn**-0.5),
                 ParamSpec(p + "fc2.b", (self.d,), "replicated", i, init_const=0.0),
             ]
-        out.append(ParamSpec("head.w", (s.n_classes, self.d), "replicated", s.n_layers))
+        out.append(
+            ParamSpec("head.w", (s.n_classes, self.d), "replicated", s.n_layers, self.d**-0.5)
+        )
         return out
 
     def batch(self, step: int, global_batch_size: int) -> Batch:

@@ -8,7 +8,6 @@ TCPStore that the parent hosts, so the workers that stay keep their process and 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 import traceback
@@ -25,6 +24,7 @@ from worker_agent.hotswitch.execute import ExecStats, StagingBuffers, execute_pl
 from worker_agent.hotswitch.plan import SwitchPlan
 from worker_agent.runtime.job import TensorParallel, TrainingJob
 from worker_agent.runtime.layout import Layout, split_blocks
+from worker_agent.runtime.optim import adamw_step
 from worker_agent.runtime.presets import JobSpec, build_job
 from worker_agent.runtime.shards import ShardMap, shard_map
 
@@ -276,11 +276,7 @@ class Worker:
         return loss_sum if last else None
 
     def _optimizer_step(self) -> None:
-        """Average gradients over DP, then AdamW on the flat buffer.
-
-        Hand-written AdamW (same arithmetic as torch.optim.AdamW's single-tensor path) because
-        its state must live in our flat buffer with the parameters' exact shard geometry.
-        """
+        """Sum gradients over DP (the loss is already divided by the global batch), then AdamW."""
         assert self.smap is not None and self.flat is not None and self.grad_flat is not None
         g = self.grad_flat
         for ps in self.smap.params:
@@ -292,19 +288,7 @@ class Worker:
                 g[ps.offset : ps.offset + n].copy_(p.grad.reshape(-1))
         if self.dp_group is not None:
             dist.all_reduce(g, group=self.dp_group)
-        opt = self.spec.optimizer
-        n = self.smap.n_param_elems
-        with torch.no_grad():
-            param, m, v = self.flat[:n], self.flat[n : 2 * n], self.flat[2 * n :]
-            t = self.step + 1
-            if opt.weight_decay:
-                param.mul_(1 - opt.lr * opt.weight_decay)
-            m.lerp_(g, 1 - opt.beta1)
-            v.mul_(opt.beta2).addcmul_(g, g, value=1 - opt.beta2)
-            bc1 = 1 - opt.beta1**t
-            bc2_sqrt = math.sqrt(1 - opt.beta2**t)
-            denom = (v.sqrt() / bc2_sqrt).add_(opt.eps)
-            param.addcdiv_(m, denom, value=-opt.lr / bc1)
+        adamw_step(self.flat, g, self.step + 1, self.spec.optimizer)
 
     # ----- hot switch -----------------------------------------------------------------------
     def cmd_switch_prepare(
