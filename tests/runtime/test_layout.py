@@ -41,7 +41,7 @@ def test_split_blocks_is_contiguous_and_balanced() -> None:
 
 
 def _shape(**kw: int) -> ModelShape:
-    spec = JobSpec(**kw)
+    spec = JobSpec.model_validate(kw)
     return model_shape(build_job(spec), spec)
 
 
