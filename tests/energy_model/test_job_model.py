@@ -1,0 +1,184 @@
+"""JobModel priors and the online fitter."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from energy_model.fit import PowerParams, ThroughputParams
+from energy_model.job_model import (
+    JobModel,
+    JobModelFitter,
+    TelemetryPoint,
+    known_presets,
+    prior_job_model,
+    resolve_workload,
+)
+
+T0 = datetime(2024, 5, 1, tzinfo=UTC)
+COUNTS = (1, 2, 4, 8, 16, 32)
+PRESETS = ("gpt2", "bert", "resnet50", "vgg16", "inception3", "deepspeech2")
+
+
+def synthetic_points(
+    truth: ThroughputParams,
+    power: PowerParams,
+    batch: int,
+    counts: tuple[int, ...],
+    n: int,
+    noise: float = 0.02,
+    seed: int = 0,
+    start: datetime = T0,
+) -> list[TelemetryPoint]:
+    rng = random.Random(seed)
+    single = truth.samples_per_s(1, batch)
+    out = []
+    for i in range(n):
+        g = counts[i % len(counts)]
+        sps = truth.samples_per_s(g, batch)
+        watts = g * power.per_gpu_w(sps / (g * single))
+        out.append(
+            TelemetryPoint(
+                gpus=g,
+                samples_per_s=sps * math.exp(rng.gauss(0, noise)),
+                power_w=watts * math.exp(rng.gauss(0, noise)),
+                at=start + timedelta(seconds=30 * i),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("workload", PRESETS)
+def test_priors_exist_and_diminish(workload: str) -> None:
+    model = prior_job_model(workload, 128, COUNTS)
+    assert model.workload == workload and model.source == "prior"
+    tput = [model.throughput_samples_per_s[g] for g in COUNTS]
+    assert tput[1] > tput[0]
+    # Diminishing returns: speed-up per doubling shrinks.
+    ratios = [b / a for a, b in itertools.pairwise(tput)]
+    assert ratios[-1] < ratios[0]
+    # Energy per sample grows with GPU count (idle + communication overhead).
+    assert model.energy_per_sample_j(32) > model.energy_per_sample_j(1)
+    assert all(0 < model.throughput_rel_std[g] < 0.2 for g in COUNTS)
+
+
+def test_generic_fallback_for_entrypoints() -> None:
+    model = prior_job_model("mypkg.train:main", 64, [1, 2, 4])
+    assert model.workload == "generic"
+    assert model.throughput_rel_std[1] >= 0.4  # a guess, and it says so
+    assert resolve_workload("ResNet-50") == "resnet50"
+    assert set(PRESETS) <= set(known_presets())
+
+
+def test_jobmodel_validates_tables() -> None:
+    with pytest.raises(ValueError, match="lacks GPU counts"):
+        JobModel((1, 2), {1: 1.0}, {1: 1.0, 2: 2.0}, {1: 0.1, 2: 0.1}, {1: 0.1, 2: 0.1})
+
+
+def test_fitter_recovers_known_model() -> None:
+    truth = ThroughputParams(3e-3, 2e-2, 4e-2, 5e-3)
+    power = PowerParams(60.0, 250.0, 0.8)
+    batch = 256
+    prior = prior_job_model("resnet50", batch, COUNTS)
+    fitter = JobModelFitter(prior)
+    model = fitter.update(synthetic_points(truth, power, batch, (1, 2, 4, 8, 16), 100))
+    for g in COUNTS:
+        assert model.throughput_samples_per_s[g] == pytest.approx(
+            truth.samples_per_s(g, batch), rel=0.04
+        )
+    assert model.params is not None
+    assert model.params.power.idle_w == pytest.approx(60.0, rel=0.15)
+    assert model.params.power.dynamic_w == pytest.approx(250.0, rel=0.1)
+    assert model.params.power.exponent == pytest.approx(0.8, rel=0.15)
+    single = truth.samples_per_s(1, batch)
+    for g in COUNTS:
+        expected_w = g * power.per_gpu_w(truth.samples_per_s(g, batch) / (g * single))
+        assert model.power_w[g] == pytest.approx(expected_w, rel=0.05)
+    assert model.source == "fitted" and model.samples_used == 100
+
+
+def test_prior_yields_to_data() -> None:
+    batch = 128
+    prior = prior_job_model("gpt2", batch, COUNTS)
+    # The real job is 3x slower than the preset says and scales worse.
+    truth = ThroughputParams(3e-3, 5e-2, 0.1, 2e-2)
+    power = PowerParams(54.0, 200.0, 0.9)
+    errors = []
+    fitter = JobModelFitter(prior)
+    for n in (0, 2, 8, 40):
+        model = (
+            prior if n == 0 else fitter.update(synthetic_points(truth, power, batch, (2, 4, 8), n))
+        )
+        err = abs(model.throughput_samples_per_s[4] / truth.samples_per_s(4, batch) - 1)
+        errors.append(err)
+        fitter = JobModelFitter(prior)
+    assert errors[0] > 0.5
+    assert errors[-1] < 0.05
+    assert errors == sorted(errors, reverse=True)
+
+
+def test_uncertainty_shrinks_where_measured() -> None:
+    batch = 128
+    prior = prior_job_model("mystery:main", batch, COUNTS)
+    truth = ThroughputParams(2e-3, 1e-2, 2e-2, 3e-3)
+    model = JobModelFitter(prior).update(
+        synthetic_points(truth, PowerParams(54, 250, 0.9), batch, (4, 8), 30)
+    )
+    assert model.throughput_rel_std[4] < prior.throughput_rel_std[4]
+    # Far from the measured counts the model is less sure than at them.
+    assert model.throughput_rel_std[32] > model.throughput_rel_std[8]
+
+
+def test_recent_samples_weigh_more() -> None:
+    batch = 128
+    prior = prior_job_model("bert", batch, COUNTS)
+    power = PowerParams(54, 250, 0.9)
+    old = ThroughputParams(2e-3, 1e-2, 2e-2, 3e-3)
+    new = ThroughputParams(4e-3, 2e-2, 4e-2, 6e-3)  # the job became 2x slower
+    fitter = JobModelFitter(prior, half_life_s=600)
+    fitter.update(synthetic_points(old, power, batch, (2, 4), 40, noise=0.0))
+    later = T0 + timedelta(hours=2)
+    model = fitter.update(synthetic_points(new, power, batch, (2, 4), 10, noise=0.0, start=later))
+    assert model.throughput_samples_per_s[4] == pytest.approx(new.samples_per_s(4, batch), rel=0.05)
+
+
+def test_telemetry_without_power_keeps_power_prior() -> None:
+    prior = prior_job_model("resnet50", 128, COUNTS)
+    point = TelemetryPoint(gpus=4, samples_per_s=1500.0, power_w=None, at=T0)
+    model = JobModelFitter(prior).update([point])
+    assert model.params is not None and prior.params is not None
+    assert model.params.power == prior.params.power
+    assert model.power_rel_std == prior.power_rel_std
+
+
+def test_rejects_bad_telemetry() -> None:
+    fitter = JobModelFitter(prior_job_model("bert", 64, COUNTS))
+    with pytest.raises(ValueError, match="timezone-aware"):
+        fitter.update([TelemetryPoint(2, 10.0, 100.0, datetime(2024, 1, 1))])
+    with pytest.raises(ValueError, match="samples_per_s > 0"):
+        fitter.update([TelemetryPoint(2, 0.0, 100.0, T0)])
+
+
+def test_committed_priors_match_the_data(shared_data: Path) -> None:
+    from energy_model import priors_build
+
+    committed = (Path(priors_build.__file__).parent / "priors_data.py").read_text()
+    assert priors_build.build(shared_data) == committed
+
+
+def test_prior_reproduces_measured_profile(shared_data: Path) -> None:
+    from energy_model.profiles import load_scaling_profiles
+
+    profiles = load_scaling_profiles(shared_data / "elasticflow" / "throughputs_A100")
+    for name in PRESETS:
+        profile = profiles[name]
+        batch = profile.batch_sizes()[0]
+        measured = profile.samples_per_s(batch)
+        model = prior_job_model(name, batch, sorted(measured))
+        for g, sps in measured.items():
+            assert model.throughput_samples_per_s[g] == pytest.approx(sps, rel=0.15)
