@@ -117,7 +117,7 @@ def build_model(
 
     # Objective (divided by slot_s): finished slots earn w, leftover costs w * tail, misses M.
     cost[d0:l0] = -np.repeat(w, num_slots)
-    cost[l0:m0] = w * arrays.tail_slots
+    cost[l0:m0] = w * arrays.tail_slots + (problem.carbon_price_s_per_kg / slot_s) * arrays.tail_kg
     miss_cost = problem.deadline_miss_cost_s() / slot_s
     cost[m0:h0] = miss_cost
     cost[x0:c0] = (problem.carbon_price_s_per_kg / slot_s) * x_kg.ravel()

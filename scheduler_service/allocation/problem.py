@@ -288,12 +288,25 @@ class PlanArrays:
         self.max_throughput = np.array([j.max_throughput_samples_per_s for j in jobs], dtype=float)
         # Slots still needed at the fastest rate per unit of leftover work fraction.
         self.tail_slots = self.remaining / (self.max_throughput * problem.slot_s)
+        # Emissions of finishing all remaining work after the horizon at the job's most
+        # efficient count and the horizon's cleanest intensity (deferring is never free).
+        self.tail_kg = np.array([leftover_kg_per_fraction(problem, j) for j in jobs], dtype=float)
+
+
+def leftover_kg_per_fraction(problem: AllocationProblem, job: JobSpec) -> float:
+    """kg CO2e to finish all of a job's remaining work after the horizon (optimistic)."""
+    joules_per_sample = min(
+        p / t for p, t in zip(job.power_w, job.throughput_samples_per_s, strict=True)
+    )
+    kwh = job.remaining_samples * joules_per_sample / SECONDS_PER_HOUR / WATTS_PER_KILOWATT
+    return kwh * problem.pue * min(problem.intensity_g_per_kwh) / GRAMS_PER_KG
 
 
 def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> PlanEvaluation:
     """Completion, energy, emissions, changes, checks and objective of a GPU matrix."""
     num_slots = problem.num_slots
     kg_per_w = problem.slot_emissions_kg_per_w()
+    slot_kwh_per_w = problem.slot_s / SECONDS_PER_HOUR / WATTS_PER_KILOWATT * problem.pue
     energy = np.zeros(num_slots)
     emissions = np.zeros(num_slots)
     used = np.zeros(num_slots, dtype=np.int64)
@@ -303,6 +316,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     changes = 0
     allowed_ok = True
     weighted_s = 0.0
+    leftover_kg = 0.0
     misses = 0
     for job in problem.jobs:
         counts = gpus.get(job.job_id, (0,) * num_slots)
@@ -325,25 +339,19 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
                 continue
             k = job.allowed_gpus.index(g)
             used[t] += g
-            if finish is not None:
-                # Allocated after finishing: the GPUs idle at idle-ish power; charge full power.
-                run_s = problem.slot_s
-            else:
+            if finish is None:
                 rate = job.throughput_samples_per_s[k]
                 need_s = (job.remaining_samples - done) / rate
                 if need_s <= problem.slot_s + 1e-9:
                     finish = t * problem.slot_s + need_s
-                    run_s = need_s
                     done = job.remaining_samples
                 else:
-                    run_s = problem.slot_s
                     done += rate * problem.slot_s
             unfinished_area += 1.0 - done / job.remaining_samples
-            energy_kwh = (
-                job.power_w[k] * run_s / SECONDS_PER_HOUR / WATTS_PER_KILOWATT * problem.pue
-            )
-            energy[t] += energy_kwh
-            emissions[t] += job.power_w[k] * kg_per_w[t] * run_s / problem.slot_s
+            # A plan books GPUs for whole slots, so the projection charges the whole slot (an
+            # upper bound that keeps hard budgets safe; the simulator charges what really ran).
+            energy[t] += job.power_w[k] * slot_kwh_per_w
+            emissions[t] += job.power_w[k] * kg_per_w[t]
         completion[job.job_id] = finish
         unfinished[job.job_id] = unfinished_area
         leftover_fraction = max(0.0, 1.0 - done / job.remaining_samples)
@@ -353,6 +361,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
             / (job.max_throughput_samples_per_s * problem.slot_s)
         )
         weighted_s += job.priority * problem.slot_s * (unfinished_area + tail)
+        leftover_kg += leftover_fraction * leftover_kg_per_fraction(problem, job)
         if job.deadline_s is not None:
             ok = finish is not None and finish <= job.deadline_s + 1e-6
             if finish is None and job.deadline_s >= problem.horizon_s:
@@ -372,7 +381,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     objective = (
         problem.deadline_miss_cost_s() * misses
         + weighted_s
-        + problem.carbon_price_s_per_kg * float(emissions.sum())
+        + problem.carbon_price_s_per_kg * (float(emissions.sum()) + leftover_kg)
         + problem.change_cost_s * changes
     )
     return PlanEvaluation(

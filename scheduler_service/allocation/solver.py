@@ -251,8 +251,13 @@ def round_lp(
     arrays: PlanArrays,
     lp: LpResult | None,
     prefer: dict[str, int] | None = None,
+    mode: str = "ceil",
 ) -> dict[str, tuple[int, ...]]:
-    """Integer plan that tracks the LP's cumulative targets slot by slot (see module doc)."""
+    """Integer plan that tracks the LP's cumulative targets slot by slot (see module doc).
+
+    mode "ceil" takes the slowest count that keeps the LP's pace, "nearest" the count whose
+    throughput is closest to it; neither wins everywhere, so `solve` tries both.
+    """
     num_jobs, num_slots = arrays.num_jobs, problem.num_slots
     state = _SlotState(problem, arrays)
     done = np.zeros(num_jobs)  # samples done so far in the plan
@@ -290,6 +295,12 @@ def round_lp(
         meets = arrays.valid & (arrays.throughput >= need[:, None] * (1 - 1e-6))
         first = np.where(meets.any(axis=1), meets.argmax(axis=1), arrays.valid.sum(axis=1) - 1)
         choice = np.where(active & (need > 1e-12), first, -1)
+        if mode == "nearest":
+            thr_pad = np.where(arrays.valid, arrays.throughput, np.inf)
+            diff = np.abs(
+                np.concatenate([np.zeros((num_jobs, 1)), thr_pad], axis=1) - need[:, None]
+            )
+            choice = np.where(active, diff.argmin(axis=1) - 1, -1)
         # Keep the previous count when it also meets the pace and is not much faster (no switch).
         keep = (choice_prev >= 0) & active & (need > 1e-12)
         prev_thr = np.where(
@@ -400,9 +411,10 @@ def solve(
     if warm is not None:
         prefer = {job_id: counts[0] for job_id, counts in warm.items()}
     candidates: list[tuple[dict[str, tuple[int, ...]], str]] = []
-    candidates.append(
-        (trim_after_finish(problem, round_lp(problem, arrays, lp, prefer)), "heuristic")
-    )
+    for mode in ("ceil", "nearest"):
+        candidates.append(
+            (trim_after_finish(problem, round_lp(problem, arrays, lp, prefer, mode)), "heuristic")
+        )
     candidates.append(
         (trim_after_finish(problem, round_lp(problem, arrays, None, prefer)), "heuristic")
     )

@@ -1,0 +1,171 @@
+"""Property tests on small random problems: hard constraints, brute-force optimality, baselines."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import UTC, datetime
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.allocation.policies import POLICIES
+from scheduler_service.allocation.problem import (
+    AllocationProblem,
+    BudgetMode,
+    BudgetPeriod,
+    JobSpec,
+    evaluate_gpus,
+)
+from scheduler_service.allocation.solver import solve
+
+START = datetime(2022, 6, 1, tzinfo=UTC)
+SLOT_S = 600.0
+SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+
+
+@st.composite
+def jobs(draw: st.DrawFn, index: int, num_slots: int) -> JobSpec:
+    counts = draw(st.sampled_from([(1,), (1, 2), (2,), (1, 2, 4), (2, 4)]))
+    base = draw(st.floats(min_value=5.0, max_value=50.0))
+    exponent = draw(st.floats(min_value=0.5, max_value=1.0))
+    throughput = tuple(base * g**exponent for g in counts)
+    watts = draw(st.floats(min_value=100.0, max_value=400.0))
+    power = tuple(watts * g**0.9 for g in counts)
+    # Work for 0.3-3 slots at the fastest count, so finishing inside the horizon is possible.
+    remaining = max(throughput) * SLOT_S * draw(st.floats(min_value=0.3, max_value=3.0))
+    deadline = draw(
+        st.one_of(
+            st.none(), st.floats(min_value=0.2, max_value=num_slots + 0.5).map(lambda s: s * SLOT_S)
+        )
+    )
+    current = draw(st.sampled_from((0, *counts)))
+    return JobSpec(
+        job_id=f"job{index}",
+        allowed_gpus=counts,
+        throughput_samples_per_s=throughput,
+        power_w=power,
+        remaining_samples=remaining,
+        deadline_s=deadline,
+        priority=draw(st.sampled_from([1.0, 2.0])),
+        current_gpus=current,
+    )
+
+
+@st.composite
+def problems(draw: st.DrawFn, max_jobs: int = 2, max_slots: int = 3) -> AllocationProblem:
+    num_slots = draw(st.integers(min_value=1, max_value=max_slots))
+    num_jobs = draw(st.integers(min_value=1, max_value=max_jobs))
+    capacity = tuple(draw(st.integers(min_value=0, max_value=5)) for _ in range(num_slots))
+    intensity = tuple(draw(st.floats(min_value=20.0, max_value=600.0)) for _ in range(num_slots))
+    mode = draw(st.sampled_from([BudgetMode.HARD, BudgetMode.SOFT]))
+    periods: tuple[BudgetPeriod, ...] = ()
+    if draw(st.booleans()):
+        budget_kg = draw(st.floats(min_value=0.0, max_value=1.0))
+        periods = (BudgetPeriod(start_s=0.0, end_s=num_slots * SLOT_S, budget_left_kg=budget_kg),)
+    return AllocationProblem(
+        start_at=START,
+        slot_s=SLOT_S,
+        capacity_gpus=capacity,
+        intensity_g_per_kwh=intensity,
+        jobs=tuple(draw(jobs(i, num_slots)) for i in range(num_jobs)),
+        budget_periods=periods,
+        budget_mode=mode,
+        carbon_price_s_per_kg=draw(st.sampled_from([0.0, 500.0])),
+        change_cost_s=1.0,
+    )
+
+
+def brute_force(problem: AllocationProblem) -> tuple[int, float]:
+    """(fewest deadline misses, best objective) over every feasible plan."""
+    per_job = []
+    for job in problem.jobs:
+        per_job.append(list(itertools.product((0, *job.allowed_gpus), repeat=problem.num_slots)))
+    best_misses, best_objective = 10**9, float("inf")
+    for combo in itertools.product(*per_job):
+        gpus = {job.job_id: counts for job, counts in zip(problem.jobs, combo, strict=True)}
+        ev = evaluate_gpus(problem, gpus)
+        if not (ev.capacity_ok and ev.allowed_ok and ev.budget_ok):
+            continue
+        misses = sum(1 for ok in ev.deadline_met.values() if not ok)
+        best_misses = min(best_misses, misses)
+        best_objective = min(best_objective, ev.objective)
+    return best_misses, best_objective
+
+
+def check_hard_constraints(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> None:
+    used = [0] * problem.num_slots
+    for job in problem.jobs:
+        counts = gpus[job.job_id]
+        assert len(counts) == problem.num_slots
+        for t, g in enumerate(counts):
+            assert g == 0 or g in job.allowed_gpus, f"{job.job_id} slot {t}: {g} not allowed"
+            used[t] += g
+    for t in range(problem.num_slots):
+        assert used[t] <= problem.capacity_gpus[t], f"slot {t} over capacity"
+    if problem.budget_mode is BudgetMode.HARD:
+        emissions = evaluate_gpus(problem, gpus).emissions_kg_per_slot
+        for period in problem.budget_periods:
+            assert emissions.sum() <= period.budget_left_kg * (1 + 1e-6) + 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@SETTINGS
+@given(problem=problems(max_jobs=4, max_slots=5))
+def test_every_policy_keeps_hard_constraints(name: str, problem: AllocationProblem) -> None:
+    plan = POLICIES[name](problem, previous=None, time_limit_s=10.0, seed=0)
+    check_hard_constraints(problem, plan.gpus)
+    assert plan.objective == pytest.approx(evaluate_gpus(problem, plan.gpus).objective)
+
+
+@SETTINGS
+@given(problem=problems())
+def test_solver_matches_brute_force(problem: AllocationProblem) -> None:
+    best_misses, best_objective = brute_force(problem)
+    plan = solve(problem, time_limit_s=10.0, seed=0)
+    misses = sum(1 for ok in plan.deadline_met.values() if not ok)
+    # Deadlines are met whenever some plan meets them, and the plan is optimal on the objective.
+    assert misses == best_misses
+    assert plan.objective <= best_objective * (1 + 1e-5) + 1e-6
+    assert set(plan.missed_reasons) == {k for k, ok in plan.deadline_met.items() if not ok}
+
+
+@SETTINGS
+@given(problem=problems(max_jobs=3, max_slots=4))
+def test_solver_never_worse_than_a_baseline(problem: AllocationProblem) -> None:
+    plan = solve(problem, time_limit_s=10.0, seed=0)
+    for name, policy in POLICIES.items():
+        if name == "greenflow":
+            continue
+        other = policy(problem, previous=None, time_limit_s=10.0, seed=0)
+        assert plan.objective <= other.objective * (1 + 1e-5) + 1e-6, name
+
+
+def test_solver_is_deterministic_for_a_seed() -> None:
+    problem = _fixed_problem()
+    first = solve(problem, time_limit_s=10.0, seed=3)
+    second = solve(problem, time_limit_s=10.0, seed=3)
+    assert first.gpus == second.gpus
+
+
+def _fixed_problem() -> AllocationProblem:
+    jobs = tuple(
+        JobSpec(
+            job_id=f"j{i}",
+            allowed_gpus=(1, 2, 4),
+            throughput_samples_per_s=(10.0 + i, 18.0 + i, 30.0 + i),
+            power_w=(250.0, 480.0, 900.0),
+            remaining_samples=(10.0 + i) * SLOT_S * (1 + i % 3),
+            deadline_s=SLOT_S * (2 + i) if i % 2 else None,
+        )
+        for i in range(6)
+    )
+    return AllocationProblem(
+        start_at=START,
+        slot_s=SLOT_S,
+        capacity_gpus=(6, 6, 4, 4, 8, 8),
+        intensity_g_per_kwh=(300.0, 250.0, 100.0, 90.0, 400.0, 450.0),
+        jobs=jobs,
+    )

@@ -1,0 +1,153 @@
+"""Admission, carbon trade-off, warm start and plan figures of the solver on hand-made problems."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from scheduler_service.allocation.policies import POLICIES, UnknownPolicy, get_policy
+from scheduler_service.allocation.problem import (
+    AllocationProblem,
+    BudgetMode,
+    BudgetPeriod,
+    InvalidProblem,
+    JobSpec,
+    allowed_gpu_counts,
+    evaluate_gpus,
+)
+from scheduler_service.allocation.solver import admit, shift_previous, solve
+
+START = datetime(2022, 6, 1, tzinfo=UTC)
+SLOT_S = 3600.0
+
+
+def job(
+    job_id: str, hours_at_one_gpu: float, deadline_h: float | None = None, **kw: object
+) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        allowed_gpus=(1, 2, 4),
+        throughput_samples_per_s=(100.0, 190.0, 360.0),
+        power_w=(300.0, 580.0, 1100.0),
+        remaining_samples=100.0 * 3600.0 * hours_at_one_gpu,
+        deadline_s=None if deadline_h is None else deadline_h * 3600.0,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def problem(jobs: tuple[JobSpec, ...], capacity: int = 4, **kw: object) -> AllocationProblem:
+    intensity = (400.0, 400.0, 50.0, 50.0, 400.0, 400.0)
+    return AllocationProblem(
+        start_at=START,
+        slot_s=SLOT_S,
+        capacity_gpus=(capacity,) * len(intensity),
+        intensity_g_per_kwh=intensity,
+        jobs=jobs,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_allowed_counts_default_to_powers_of_two() -> None:
+    assert allowed_gpu_counts(1, 8) == (1, 2, 4, 8)
+    assert allowed_gpu_counts(3, 5, powers_of_two=False) == (3, 4, 5)
+    with pytest.raises(InvalidProblem, match="min_gpus"):
+        allowed_gpu_counts(0, 4)
+
+
+def test_bad_job_data_names_the_field() -> None:
+    with pytest.raises(InvalidProblem, match="throughput_samples_per_s"):
+        JobSpec("a", (1, 2), (1.0,), (1.0, 2.0), 10.0)
+    with pytest.raises(InvalidProblem, match="current_gpus"):
+        JobSpec("a", (1, 2), (1.0, 2.0), (1.0, 2.0), 10.0, current_gpus=4)
+
+
+def test_plan_reports_figures_consistently() -> None:
+    plan = solve(problem((job("a", 3.0), job("b", 1.0, deadline_h=2.0))), seed=0)
+    assert set(plan.gpus) == {"a", "b"}
+    assert plan.deadline_met == {"b": True}
+    assert plan.completion_s["b"] is not None and plan.completion_s["b"] <= 2 * 3600.0
+    assert plan.completion_at("b") == START + timedelta(seconds=plan.completion_s["b"])
+    assert plan.emissions_kg == pytest.approx(sum(plan.emissions_kg_per_slot))
+    assert (
+        plan.energy_kwh > 0 and plan.status == "optimal" and plan.gap == pytest.approx(0, abs=1e-6)
+    )
+
+
+def test_impossible_deadline_is_reported_not_raised() -> None:
+    plan = solve(problem((job("late", 10.0, deadline_h=1.0),)), seed=0)
+    assert plan.deadline_met == {"late": False}
+    assert "fastest allowed count" in plan.missed_reasons["late"]
+
+
+def test_admission_rejects_a_job_that_breaks_admitted_deadlines() -> None:
+    admitted = job("first", 8.0, deadline_h=2.5)  # needs the whole cluster for ~2.2 h
+    current = problem((admitted,))
+    newcomer = job("second", 4.0, deadline_h=2.0)
+    decision = admit(current, newcomer)
+    assert not decision.admitted and "first" in decision.reason
+    best_effort = job("second", 4.0, deadline_h=2.0, best_effort=True)
+    decision = admit(current, best_effort)
+    assert decision.admitted and not decision.guaranteed
+    easy = job("third", 1.0, deadline_h=6.0)
+    decision = admit(current, easy)
+    assert decision.admitted and decision.guaranteed
+
+
+def test_admission_rejects_an_impossible_deadline_with_the_reason() -> None:
+    decision = admit(problem(()), job("x", 40.0, deadline_h=2.0))
+    assert not decision.admitted and "fastest allowed count" in decision.reason
+
+
+def test_carbon_price_moves_work_to_clean_slots() -> None:
+    jobs = (job("a", 4.0),)
+    fast = solve(problem(jobs, carbon_price_s_per_kg=0.0, budget_mode=BudgetMode.SOFT), seed=0)
+    green = solve(problem(jobs, carbon_price_s_per_kg=1e6, budget_mode=BudgetMode.SOFT), seed=0)
+    assert green.emissions_kg < fast.emissions_kg
+    # At a high price nothing runs in the dirty slots (0, 1, 4, 5); at no price it runs at once.
+    assert all(g == 0 for t, g in enumerate(green.gpus["a"]) if t not in (2, 3))
+    assert fast.gpus["a"][0] > 0
+
+
+def test_hard_budget_caps_planned_emissions() -> None:
+    budget = (BudgetPeriod(0.0, 6 * SLOT_S, budget_left_kg=0.2),)
+    plan = solve(problem((job("a", 6.0), job("b", 6.0)), budget_periods=budget), seed=0)
+    assert plan.emissions_kg <= 0.2 + 1e-9
+    assert plan.energy_kwh > 0  # it still runs what the budget allows (in the clean slots)
+    assert all(g == 0 for t, g in enumerate(plan.gpus["a"]) if t in (0, 1, 4, 5))
+
+
+def test_warm_start_is_never_worse_than_the_previous_plan() -> None:
+    jobs = (job("a", 6.0), job("b", 3.0))
+    first = solve(problem(jobs), seed=0)
+    moved = problem(
+        tuple(
+            JobSpec(
+                j.job_id,
+                j.allowed_gpus,
+                j.throughput_samples_per_s,
+                j.power_w,
+                j.remaining_samples * 0.8,
+                current_gpus=first.gpus[j.job_id][0] or 0,
+            )
+            for j in jobs
+        ),
+    )
+    moved = AllocationProblem(
+        start_at=START + timedelta(seconds=SLOT_S),
+        slot_s=SLOT_S,
+        capacity_gpus=moved.capacity_gpus,
+        intensity_g_per_kwh=moved.intensity_g_per_kwh,
+        jobs=moved.jobs,
+    )
+    second = solve(moved, previous=first, seed=0)
+    # The previous plan, moved one slot on, is a starting point the new plan never does worse than.
+    warm = shift_previous(first, moved)
+    assert warm is not None and warm["a"] == (*first.gpus["a"][1:], first.gpus["a"][-1])
+    assert second.objective <= evaluate_gpus(moved, warm).objective + 1e-6
+
+
+def test_registry_lists_all_policies() -> None:
+    assert set(POLICIES) == {"greenflow", "carbon-agnostic", "static", "carbon-greedy", "shift"}
+    with pytest.raises(UnknownPolicy, match="greenflow"):
+        get_policy("nope")
