@@ -1,8 +1,8 @@
 """24 h carbon-intensity forecast error of the ridge model vs seasonal-naive baselines.
 
 Rolling origin on each real series in ../shared/data/carbon: every hour is a forecast origin;
-the ridge model is refitted every week on the previous 8 weeks (as the library does, which
-refits on the latest 8 weeks) and never sees the values it forecasts. Prints JSON.
+the ridge model is refitted every week on the previous 12 weeks (the library refits on the
+latest 12 weeks at every call) and never sees the values it forecasts. Prints JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from energy_model.carbon.forecaster import (
+    FIT_WINDOW_H,
     WEEK_H,
     HourlyRidgeForecaster,
     to_hourly,
@@ -22,7 +23,6 @@ from energy_model.carbon.forecaster import (
 from energy_model.carbon.series import load_intensity_csv
 
 HORIZON_H = 24
-FIT_WINDOW_H = WEEK_H * 8
 REFIT_EVERY_H = WEEK_H
 
 
@@ -86,8 +86,9 @@ def main() -> None:
         "mape_weekly": round(float(np.mean([s["mape_weekly"] for s in per_series])), 2),
         "mape_model": round(float(np.mean([s["mape_model"] for s in per_series])), 2),
         "naive": "same hour yesterday (24 h seasonal naive)",
-        "model": "ridge per horizon hour on last value, same hour yesterday/last week, "
-        "7-day same-hour mean, 24 h mean (log space), refit weekly on 8 weeks",
+        "model": "ridge per horizon hour (log space) on the last two values, the target hour "
+        "on the last two days and last week, its 7-day mean, 24 h and 168 h means; "
+        "refit weekly on the previous 12 weeks",
         "per_horizon_hour": [
             {
                 "h": h + 1,

@@ -1,10 +1,11 @@
 """Hourly intensity forecasters for sources without a forecast, and to fill gaps.
 
 - `seasonal_naive`: the value one period earlier (24 h: same hour yesterday; 168 h: last week).
-- `HourlyRidgeForecaster`: one ridge regression per horizon hour h on features known at the
-  forecast origin t: the latest value y[t], the value one day before the target y[t+h-24k]
-  (smallest whole day k with t+h-24k <= t), the value one week before the target, the mean of
-  the same hour over the last 7 days, and the latest 24 h mean. Fitted on the history given.
+- `HourlyRidgeForecaster`: one ridge regression per horizon hour h, in log space, on features
+  known at the forecast origin t: the latest two values y[t], y[t-1]; the target hour on the
+  latest day y[t+h-24k] (fewest whole days k with t+h-24k <= t) and the day before; the target
+  hour last week; the mean of the target hour over the last 7 days; the mean of the last 24 h
+  and of the last week. Refitted on the most recent 12 weeks of history.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ HOUR_S = 3600
 WEEK_H = 168
 # Days of history the ridge model needs: a week of lags plus room to fit.
 MIN_FIT_HISTORY_H = WEEK_H + 24 * 7
+# The model is refitted on the most recent 12 weeks: grids change with the season.
+FIT_WINDOW_H = WEEK_H * 12
 
 
 def to_hourly(series: IntensitySeries) -> tuple[datetime, np.ndarray]:
@@ -58,13 +61,18 @@ def _features(y: np.ndarray, origins: np.ndarray, h: int) -> np.ndarray:
     """Design matrix rows for forecasting y[t+h] from origins t (all lags already in range)."""
     day_back = 24 * math.ceil(h / 24)
     week_back = WEEK_H * math.ceil(h / WEEK_H)
-    last = y[origins]
-    same_hour = y[origins + h - day_back]
-    same_week = y[origins + h - week_back]
-    same_hour_mean = np.mean([y[origins + h - day_back - 24 * k] for k in range(7)], axis=0)
-    day_mean = np.mean([y[origins - k] for k in range(24)], axis=0)
     return np.column_stack(
-        [np.ones_like(last), last, same_hour, same_week, same_hour_mean, day_mean]
+        [
+            np.ones(len(origins)),
+            y[origins],  # latest value
+            y[origins - 1],  # the hour before (local trend)
+            y[origins + h - day_back],  # same hour, latest day
+            y[origins + h - day_back - 24],  # same hour, the day before
+            y[origins + h - week_back],  # same hour last week
+            np.mean([y[origins + h - day_back - 24 * k] for k in range(7)], axis=0),
+            np.mean([y[origins - k] for k in range(24)], axis=0),  # level of the last day
+            np.mean([y[origins - k] for k in range(WEEK_H)], axis=0),  # level of the last week
+        ]
     )
 
 
@@ -72,7 +80,7 @@ def _first_origin(h: int) -> int:
     # Earliest origin with every lag of horizon h inside the history.
     day_back = 24 * math.ceil(h / 24)
     week_back = WEEK_H * math.ceil(h / WEEK_H)
-    return max(day_back + 24 * 6 - h, week_back - h, 23)
+    return max(day_back + 24 * 6 - h, week_back - h, WEEK_H)
 
 
 @dataclass
@@ -134,8 +142,7 @@ def forecast_hourly(
     """Best available forecast of the next `horizon_h` hours and the method used."""
     y = np.asarray(history, dtype=float)
     if len(y) >= MIN_FIT_HISTORY_H + horizon_h + 24:
-        # Fit on the most recent 8 weeks: grids change with the season.
-        recent = y[-(WEEK_H * 8) :]
+        recent = y[-FIT_WINDOW_H:]
         model = HourlyRidgeForecaster(horizon_h=horizon_h, ridge=ridge).fit(recent)
         return model.predict(recent), "ridge"
     if len(y) >= 24:

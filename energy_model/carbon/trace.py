@@ -19,12 +19,12 @@ import numpy as np
 from energy_model.carbon.base import Clock, utc_now
 from energy_model.carbon.errors import ProviderConfigError
 from energy_model.carbon.forecast import CarbonForecast, ForecastPoint, PointKind, Signal
-from energy_model.carbon.forecaster import HOUR_S, forecast_hourly, to_hourly
+from energy_model.carbon.forecaster import FIT_WINDOW_H, HOUR_S, forecast_hourly, to_hourly
 from energy_model.carbon.series import IntensitySeries, load_intensity_csv
 
 ForecastMode = Literal["model", "oracle"]
-# Replay history the model sees: 8 weeks, so the ridge model can fit from the first tick.
-HISTORY_H = 24 * 7 * 8
+# Replay history the model sees: its whole fit window, so it can fit from the first tick.
+HISTORY_H = FIT_WINDOW_H
 # No real provider forecasts further than 72 h; a compressed replay stops there too.
 MAX_FORECAST_H = 72
 
