@@ -210,15 +210,20 @@ class JobModelFitter:
         self.max_samples = max_samples
         self.obs_rel_std = obs_rel_std
         self.samples: list[TelemetryPoint] = []
+        self.skipped = 0  # samples ignored because the job made no progress
         self.model = prior
 
     def update(self, samples: Iterable[TelemetryPoint]) -> JobModel:
         """Add telemetry samples and return the refitted model."""
         for point in samples:
-            if point.gpus <= 0 or not point.samples_per_s > 0:
-                raise ValueError(f"telemetry needs gpus > 0 and samples_per_s > 0, got {point}")
+            if point.gpus <= 0:
+                raise ValueError(f"telemetry needs gpus > 0, got {point}")
             if point.at.tzinfo is None:
                 raise ValueError(f"telemetry time must be timezone-aware UTC, got {point.at}")
+            if not point.samples_per_s > 0:
+                # A stalled interval (e.g. during a hot switch) says nothing about steady speed.
+                self.skipped += 1
+                continue
             self.samples.append(point)
         self.samples.sort(key=lambda p: p.at)
         del self.samples[: -self.max_samples]

@@ -57,6 +57,11 @@ class ResilientCarbonSource:
         self.history: deque[tuple[datetime, float]] = deque(maxlen=HISTORY_POINTS)
 
     @property
+    def name(self) -> str:
+        """The wrapped provider's name."""
+        return str(getattr(self.provider, "name", "provider"))
+
+    @property
     def region(self) -> str:
         """The wrapped provider's region."""
         return self.provider.region

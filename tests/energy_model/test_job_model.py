@@ -160,8 +160,11 @@ def test_rejects_bad_telemetry() -> None:
     fitter = JobModelFitter(prior_job_model("bert", 64, COUNTS))
     with pytest.raises(ValueError, match="timezone-aware"):
         fitter.update([TelemetryPoint(2, 10.0, 100.0, datetime(2024, 1, 1))])
-    with pytest.raises(ValueError, match="samples_per_s > 0"):
-        fitter.update([TelemetryPoint(2, 0.0, 100.0, T0)])
+    with pytest.raises(ValueError, match="gpus > 0"):
+        fitter.update([TelemetryPoint(0, 10.0, 100.0, T0)])
+    # A stalled interval is skipped, not fitted (and not an error).
+    model = fitter.update([TelemetryPoint(2, 0.0, 100.0, T0)])
+    assert fitter.skipped == 1 and model.source == "prior"
 
 
 def test_committed_priors_match_the_data(shared_data: Path) -> None:
