@@ -88,11 +88,10 @@ class UkCarbonIntensityProvider(HttpProvider):
             raise ProviderNoData(self.name, f"{what}: no value for the current period")
         return points[0]
 
-    async def regional(self, from_at: datetime, hours: int = 48) -> list[ForecastPoint]:
+    async def regional(self, from_at: datetime) -> list[ForecastPoint]:
         """GET /regional/intensity/{from}/fw48h/regionid/{id} (forecast only)."""
-        window = "fw24h" if hours <= 24 else "fw48h"
-        path = f"/regional/intensity/{self._fmt(from_at)}/{window}/regionid/{self.region_id}"
-        what = f"regional intensity {window} for region {self.region_id}"
+        path = f"/regional/intensity/{self._fmt(from_at)}/fw48h/regionid/{self.region_id}"
+        what = f"regional intensity fw48h for region {self.region_id}"
         body = self.json_body(await self.get(path), what)
         try:
             data = body["data"]
@@ -124,7 +123,7 @@ class UkCarbonIntensityProvider(HttpProvider):
         if self.region_id is None:
             points = await self.national(from_at, hours)
         else:
-            points = await self.regional(from_at, hours)
+            points = await self.regional(from_at)
         if not points:
             raise ProviderNoData(self.name, f"no periods returned for {self.region}")
         return CarbonForecast(

@@ -71,7 +71,7 @@ async def test_regional_by_id(
             ],
         }
     }
-    fake_server.route("/regional/intensity/2024-03-06T18:40Z/fw24h/regionid/13", Reply(body=body))
+    fake_server.route("/regional/intensity/2024-03-06T18:40Z/fw48h/regionid/13", Reply(body=body))
     p = UkCarbonIntensityProvider(
         "regionid:13", fake_server.base_url, settings=fast_http, clock=clock
     )
@@ -108,7 +108,7 @@ async def test_regional_list_shape(
             for i in range(3)
         ]
     }
-    fake_server.route("/regional/intensity/2024-03-06T18:40Z/fw24h/regionid/3", Reply(body=body))
+    fake_server.route("/regional/intensity/2024-03-06T18:40Z/fw48h/regionid/3", Reply(body=body))
     p = UkCarbonIntensityProvider("3", fake_server.base_url, settings=fast_http, clock=clock)
     forecast = await p.get_forecast(3600)
     await p.aclose()
