@@ -1,0 +1,1 @@
+"""The operator web console: server-rendered pages at /console (Jinja2, htmx, uPlot)."""

@@ -1,0 +1,301 @@
+"""Read queries of the console (every SQL statement the console runs lives here)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Select, func, select
+from sqlalchemy.orm import Session, selectinload
+
+from scheduler_service.db.models import (
+    Allocation,
+    CarbonForecastRecord,
+    CarbonIntensitySample,
+    GpuSlot,
+    Job,
+    JobEvent,
+    LedgerEntry,
+    Node,
+    TelemetrySample,
+)
+
+# Columns the job list may be sorted by (query value -> column).
+SORTABLE_COLUMNS = {
+    "id": Job.id,
+    "name": Job.name,
+    "owner": Job.owner,
+    "queue": Job.queue,
+    "state": Job.state,
+    "priority": Job.priority,
+    "gpus": Job.current_gpus,
+    "deadline": Job.deadline_at,
+    "created": Job.created_at,
+}
+
+
+@dataclass(frozen=True)
+class EventRow:
+    """A job event with the name and owner of its job."""
+
+    event: JobEvent
+    job_name: str
+    job_owner: str
+
+
+@dataclass(frozen=True)
+class GpuUseRow:
+    """How many GPUs one job reported using at one time."""
+
+    at: datetime
+    job_id: int
+    gpus: int
+
+
+@dataclass(frozen=True)
+class PeriodTotal:
+    """Emissions and energy charged in one budget period."""
+
+    period_start: datetime
+    period_end: datetime
+    emissions_kg: float
+    energy_kwh: float
+
+
+class ConsoleRepository:
+    """All SQL the console runs (reads only; actions go through the jobs service)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    # Jobs -----------------------------------------------------------------------------------
+
+    def job(self, job_id: int) -> Job | None:
+        """One job by id."""
+        return self.session.get(Job, job_id)
+
+    def jobs_page(
+        self,
+        *,
+        owner: str | None,
+        states: Sequence[str],
+        queue: str | None,
+        search: str | None,
+        sort: str,
+        descending: bool,
+        limit: int,
+        offset: int,
+    ) -> tuple[list[Job], int]:
+        """A filtered, sorted page of jobs and the number that match."""
+        stmt: Select[tuple[Job]] = select(Job)
+        if owner is not None:
+            stmt = stmt.where(Job.owner == owner)
+        if states:
+            stmt = stmt.where(Job.state.in_(states))
+        if queue is not None:
+            stmt = stmt.where(Job.queue == queue)
+        if search:
+            stmt = stmt.where(Job.name.contains(search, autoescape=True))
+        total = self.session.scalar(select(func.count()).select_from(stmt.subquery())) or 0
+        column = SORTABLE_COLUMNS[sort]
+        order = column.desc() if descending else column.asc()
+        # Nulls (e.g. no deadline) last either way, then a stable tie-break on id.
+        stmt = stmt.order_by(column.is_(None), order, Job.id.desc()).limit(limit).offset(offset)
+        return list(self.session.scalars(stmt)), total
+
+    def owners(self) -> list[str]:
+        """Every owner with at least one job, sorted."""
+        return list(self.session.scalars(select(Job.owner).distinct().order_by(Job.owner)))
+
+    def queues(self, *, owner: str | None) -> list[str]:
+        """Every queue that holds a job (of `owner` when given), sorted."""
+        stmt = select(Job.queue).distinct().order_by(Job.queue)
+        if owner is not None:
+            stmt = stmt.where(Job.owner == owner)
+        return list(self.session.scalars(stmt))
+
+    def count_by_state(self, *, owner: str | None = None) -> dict[str, int]:
+        """Number of jobs in each state (of `owner` when given)."""
+        stmt = select(Job.state, func.count()).group_by(Job.state)
+        if owner is not None:
+            stmt = stmt.where(Job.owner == owner)
+        return {state: count for state, count in self.session.execute(stmt).tuples()}
+
+    def jobs_in_states(self, states: Sequence[str], *, owner: str | None) -> list[Job]:
+        """Jobs in these states (of `owner` when given), oldest first."""
+        stmt = select(Job).where(Job.state.in_(states)).order_by(Job.id)
+        if owner is not None:
+            stmt = stmt.where(Job.owner == owner)
+        return list(self.session.scalars(stmt))
+
+    def jobs_by_ids(self, job_ids: Sequence[int]) -> dict[int, Job]:
+        """The jobs with these ids, by id."""
+        if not job_ids:
+            return {}
+        rows = self.session.scalars(select(Job).where(Job.id.in_(list(job_ids))))
+        return {job.id: job for job in rows}
+
+    # Events ---------------------------------------------------------------------------------
+
+    def job_events(self, job_id: int, *, limit: int = 1000) -> list[JobEvent]:
+        """A job's events, oldest first."""
+        stmt = (
+            select(JobEvent)
+            .where(JobEvent.job_id == job_id)
+            .order_by(JobEvent.at, JobEvent.id)
+            .limit(limit)
+        )
+        return list(self.session.scalars(stmt))
+
+    def recent_events(
+        self, *, kinds: Sequence[str] | None, owner: str | None, limit: int
+    ) -> list[EventRow]:
+        """The newest events (of these kinds, of `owner`'s jobs when given), newest first."""
+        stmt = (
+            select(JobEvent, Job.name, Job.owner)
+            .join(Job, Job.id == JobEvent.job_id)
+            .order_by(JobEvent.at.desc(), JobEvent.id.desc())
+            .limit(limit)
+        )
+        if kinds:
+            stmt = stmt.where(JobEvent.kind.in_(list(kinds)))
+        if owner is not None:
+            stmt = stmt.where(Job.owner == owner)
+        return [
+            EventRow(event=event, job_name=name, job_owner=job_owner)
+            for event, name, job_owner in self.session.execute(stmt).tuples()
+        ]
+
+    # Telemetry and allocations --------------------------------------------------------------
+
+    def telemetry(self, job_id: int, *, since: datetime | None = None) -> list[TelemetrySample]:
+        """A job's telemetry samples in time order."""
+        stmt = select(TelemetrySample).where(TelemetrySample.job_id == job_id)
+        if since is not None:
+            stmt = stmt.where(TelemetrySample.at >= since)
+        return list(self.session.scalars(stmt.order_by(TelemetrySample.at)))
+
+    def recent_telemetry(self, job_id: int, *, limit: int) -> list[TelemetrySample]:
+        """A job's newest telemetry samples, oldest of them first."""
+        stmt = (
+            select(TelemetrySample)
+            .where(TelemetrySample.job_id == job_id)
+            .order_by(TelemetrySample.at.desc())
+            .limit(limit)
+        )
+        return list(reversed(list(self.session.scalars(stmt))))
+
+    def job_energy_kwh(self, job_id: int) -> float:
+        """Energy a job's telemetry reported, summed over its intervals."""
+        stmt = select(func.coalesce(func.sum(TelemetrySample.energy_kwh), 0.0)).where(
+            TelemetrySample.job_id == job_id
+        )
+        return float(self.session.scalar(stmt) or 0.0)
+
+    def job_emissions_kg(self, job_id: int) -> float:
+        """Emissions the ledger charged to a job, over all periods."""
+        stmt = select(func.coalesce(func.sum(LedgerEntry.emissions_kg), 0.0)).where(
+            LedgerEntry.job_id == job_id
+        )
+        return float(self.session.scalar(stmt) or 0.0)
+
+    def gpu_use(self, *, since: datetime, until: datetime) -> list[GpuUseRow]:
+        """GPU counts every job reported between two times, in time order."""
+        stmt = (
+            select(TelemetrySample.at, TelemetrySample.job_id, TelemetrySample.gpus)
+            .where(TelemetrySample.at >= since, TelemetrySample.at < until)
+            .order_by(TelemetrySample.at)
+        )
+        return [
+            GpuUseRow(at=at, job_id=job_id, gpus=gpus)
+            for at, job_id, gpus in self.session.execute(stmt).tuples()
+        ]
+
+    def allocations(self, job_id: int) -> list[Allocation]:
+        """A job's allocation commands, by generation."""
+        stmt = select(Allocation).where(Allocation.job_id == job_id).order_by(Allocation.generation)
+        return list(self.session.scalars(stmt))
+
+    # Nodes ----------------------------------------------------------------------------------
+
+    def nodes_with_slots(self) -> list[Node]:
+        """Every node with its slots loaded, by name."""
+        stmt = select(Node).options(selectinload(Node.slots)).order_by(Node.name)
+        return list(self.session.scalars(stmt))
+
+    def gpu_counts(self) -> tuple[int, int]:
+        """(GPUs on ready nodes, of those the ones holding a job)."""
+        base = select(func.count(GpuSlot.id)).join(Node).where(Node.state == "ready")
+        total = self.session.scalar(base) or 0
+        used = self.session.scalar(base.where(GpuSlot.job_id.is_not(None))) or 0
+        return total, used
+
+    # Carbon and budget ----------------------------------------------------------------------
+
+    def intensity_samples(
+        self, *, region: str, since: datetime, until: datetime
+    ) -> list[CarbonIntensitySample]:
+        """Intensity samples of a region between two times, by time then fetch time."""
+        stmt = (
+            select(CarbonIntensitySample)
+            .where(
+                CarbonIntensitySample.region == region,
+                CarbonIntensitySample.at >= since,
+                CarbonIntensitySample.at <= until,
+            )
+            .order_by(CarbonIntensitySample.at, CarbonIntensitySample.fetched_at)
+        )
+        return list(self.session.scalars(stmt))
+
+    def latest_intensity(self, *, region: str) -> CarbonIntensitySample | None:
+        """The newest intensity sample of a region."""
+        stmt = (
+            select(CarbonIntensitySample)
+            .where(CarbonIntensitySample.region == region)
+            .order_by(CarbonIntensitySample.at.desc(), CarbonIntensitySample.fetched_at.desc())
+            .limit(1)
+        )
+        return self.session.scalar(stmt)
+
+    def latest_forecast(self, *, region: str) -> CarbonForecastRecord | None:
+        """The newest forecast fetched for a region."""
+        stmt = (
+            select(CarbonForecastRecord)
+            .where(CarbonForecastRecord.region == region)
+            .order_by(CarbonForecastRecord.fetched_at.desc(), CarbonForecastRecord.id.desc())
+            .limit(1)
+        )
+        return self.session.scalar(stmt)
+
+    def ledger_in_period(self, *, period_start: datetime) -> list[LedgerEntry]:
+        """Ledger entries charged to the period that starts at `period_start`, by interval end."""
+        stmt = (
+            select(LedgerEntry)
+            .where(LedgerEntry.period_start == period_start)
+            .order_by(LedgerEntry.interval_end, LedgerEntry.id)
+        )
+        return list(self.session.scalars(stmt))
+
+    def period_totals(self, *, limit: int) -> list[PeriodTotal]:
+        """Emissions and energy per budget period, newest period first."""
+        stmt = (
+            select(
+                LedgerEntry.period_start,
+                func.max(LedgerEntry.period_end),
+                func.sum(LedgerEntry.emissions_kg),
+                func.sum(LedgerEntry.energy_kwh),
+            )
+            .group_by(LedgerEntry.period_start)
+            .order_by(LedgerEntry.period_start.desc())
+            .limit(limit)
+        )
+        return [
+            PeriodTotal(
+                period_start=start,
+                period_end=end,
+                emissions_kg=float(emissions or 0.0),
+                energy_kwh=float(energy or 0.0),
+            )
+            for start, end, emissions, energy in self.session.execute(stmt).tuples()
+        ]
