@@ -18,6 +18,11 @@ class JobSpecError(RuntimeErrorBase, ValueError):
 class WorkerFailed(RuntimeErrorBase):
     """A worker process died or reported an error; the message names the worker and cause."""
 
+    def __init__(self, message: str, dead: frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.dead = dead
+        """Ids of the workers whose process is gone."""
+
 
 class SwitchFailed(RuntimeErrorBase):
     """A hot switch failed; the job was rolled back (see `recovered_from`)."""

@@ -133,7 +133,6 @@ class JobRunner:
         self._stop = threading.Event()
         self._driver: threading.Thread | None = None
         self._driver_error: BaseException | None = None
-        self._armed_fault: int | None = None
         self._reapers: list[threading.Thread] = []
 
     # ----- public API -----------------------------------------------------------------------
@@ -286,7 +285,6 @@ class JobRunner:
 
     def arm_fault(self, rank: int) -> None:
         """Test hook: the worker at `rank` exits abruptly inside the next switch."""
-        self._armed_fault = self._ranks[rank].worker_id
         self._call([(self._ranks[rank], "arm_fault", {})])
 
     def stop(self) -> None:
@@ -348,6 +346,7 @@ class JobRunner:
     def _wait(self, h: _Handle) -> Any:
         """One reply from a worker; WorkerFailed if it dies, errs, or times out."""
         deadline = time.monotonic() + self.timeout_s * 2
+        gone = frozenset({h.worker_id})
         while True:
             try:
                 if h.conn.poll(0.05):
@@ -356,12 +355,13 @@ class JobRunner:
                         raise WorkerFailed(f"worker {h.worker_id} (pid {h.pid}): {value}")
                     return value
             except (EOFError, OSError) as exc:
+                h.proc.join(timeout=5)
                 raise WorkerFailed(
-                    f"worker {h.worker_id} (pid {h.pid}) died (exit code {h.proc.exitcode})"
+                    f"worker {h.worker_id} (pid {h.pid}) died (exit code {h.proc.exitcode})", gone
                 ) from exc
             if not h.proc.is_alive() and not h.conn.poll(0):
                 raise WorkerFailed(
-                    f"worker {h.worker_id} (pid {h.pid}) died (exit code {h.proc.exitcode})"
+                    f"worker {h.worker_id} (pid {h.pid}) died (exit code {h.proc.exitcode})", gone
                 )
             if time.monotonic() > deadline:
                 raise WorkerFailed(f"worker {h.worker_id} (pid {h.pid}) timed out")
@@ -370,21 +370,24 @@ class JobRunner:
         """Send every command first (collectives need all ranks), then collect every reply."""
         sent: list[_Handle] = []
         errors: list[str] = []
+        dead: set[int] = set()
         for h, cmd, kwargs in calls:
             try:
                 h.conn.send((cmd, kwargs))
                 sent.append(h)
-            except (OSError, BrokenPipeError):
+            except OSError:
                 errors.append(f"worker {h.worker_id} (pid {h.pid}) is gone")
+                dead.add(h.worker_id)
         results: list[Any] = []
         for h in sent:
             try:
                 results.append(self._wait(h))
             except WorkerFailed as exc:
                 errors.append(str(exc))
+                dead |= exc.dead
                 results.append(None)
         if errors:
-            raise WorkerFailed("; ".join(errors))
+            raise WorkerFailed("; ".join(errors), frozenset(dead))
         return results
 
     def _join(self, ranked: Sequence[_Handle]) -> None:
@@ -626,12 +629,19 @@ class JobRunner:
         """Return to the old layout: replace dead workers, repair from replicas or the snapshot."""
         for h in added:
             self._release(h)
-        alive = [h for h in old if h.proc.is_alive()]
-        with contextlib.suppress(WorkerFailed):
-            self._call([(h, "switch_abort", {}) for h in alive])
-        dead = [h for h in old if not h.proc.is_alive()]
+        gone = set(exc.dead)
+        try:
+            self._call([(h, "switch_abort", {}) for h in old if h.worker_id not in gone])
+        except WorkerFailed as abort_exc:
+            gone |= abort_exc.dead
+        dead = [h for h in old if h.worker_id in gone or not h.proc.is_alive()]
+        for h in dead:
+            h.proc.join(timeout=5)
+            if h.proc.is_alive():
+                h.proc.kill()
+                h.proc.join()
         replacements = self._spawn([h.slot for h in dead])
-        by_id = {h.worker_id: r for r, h in zip(dead, replacements, strict=True)}
+        by_id = {d.worker_id: r for d, r in zip(dead, replacements, strict=True)}
         ranked = [by_id.get(h.worker_id, h) for h in old]
         for h in dead:
             h.conn.close()

@@ -1,0 +1,69 @@
+"""A worker that dies in the middle of a switch: the job rolls back and stays consistent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_agent.runtime.errors import SwitchFailed
+from worker_agent.runtime.layout import Layout
+from worker_agent.runtime.pool import JobRunner
+from worker_agent.runtime.presets import JobSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SPEC = JobSpec(preset="gpt", n_layers=2, d_model=32, n_heads=4)
+
+
+def _assert_state_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_dead_replica_is_rebuilt_from_its_peer() -> None:
+    with JobRunner(snapshot_policy="none") as run, JobRunner(snapshot_policy="none") as ref:
+        run.start(SPEC, 2, Layout(dp=2))
+        ref.start(SPEC, 2, Layout(dp=2))
+        run.train(2)
+        ref.train(2)
+        before = run.gather_state()
+        pids = run.worker_pids()
+        run.arm_fault(rank=1)
+        with pytest.raises(SwitchFailed, match="rolled back") as info:
+            run.resize(4, Layout(dp=2, tp=2))
+        assert info.value.recovered_from == "replicas"
+        assert run.layout == Layout(dp=2)
+        new_pids = run.worker_pids()
+        assert new_pids[0] == pids[0] and new_pids[1] != pids[1]
+        _assert_state_equal(before, run.gather_state())
+        # Training continues on the same trajectory as a run that never tried to switch.
+        assert run.train(2) == ref.train(2)
+        _assert_state_equal(ref.gather_state(), run.gather_state())
+
+
+def test_dead_unique_shard_is_restored_from_the_snapshot() -> None:
+    with JobRunner(snapshot_policy="before_switch") as run:
+        run.start(SPEC, 2, Layout(tp=2))
+        run.train(2)
+        before = run.gather_state()
+        run.arm_fault(rank=0)
+        with pytest.raises(SwitchFailed) as info:
+            run.resize(4, Layout(dp=2, tp=2))
+        assert info.value.recovered_from == "snapshot@step2"
+        assert run.layout == Layout(tp=2)
+        assert run.step_progress().step == 2
+        _assert_state_equal(before, run.gather_state())
+        losses = run.train(1)
+        assert losses[0][0] == 2 and torch.isfinite(torch.tensor(losses[0][1]))
+        # The job can still switch after a failed attempt.
+        report = run.resize(2, Layout(dp=2))
+        assert report.ok and report.bytes_moved == report.bytes_lower_bound
+
+
+def test_unique_state_without_snapshot_is_reported_lost() -> None:
+    with JobRunner(snapshot_policy="none") as run:
+        run.start(SPEC, 2, Layout(pp=2))
+        run.arm_fault(rank=1)
+        with pytest.raises(Exception, match="lost"):
+            run.resize(2, Layout(dp=2))

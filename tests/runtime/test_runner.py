@@ -1,0 +1,49 @@
+"""JobRunner as the agent drives it: background training, resize while running, progress."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from worker_agent.runtime.errors import LayoutError
+from worker_agent.runtime.layout import Layout
+from worker_agent.runtime.pool import GpuSlot, JobRunner
+from worker_agent.runtime.presets import JobSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def _wait_for_step(run: JobRunner, step: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while run.step_progress().step < step:
+        assert time.monotonic() < deadline, "training made no progress"
+        time.sleep(0.05)
+
+
+def test_resize_while_training_in_the_background() -> None:
+    spec = JobSpec(preset="gpt", n_layers=2, d_model=32, n_heads=4)
+    with JobRunner() as run:
+        run.start(spec, [GpuSlot("n0", 0), GpuSlot("n0", 1)], Layout(dp=2))
+        run.run_background(steps_per_chunk=1)
+        _wait_for_step(run, 2)
+        pids = run.worker_pids()
+        # Slot 1 is released, slots 2 and 3 are added; the chooser picks the 3-GPU layout.
+        with pytest.raises(LayoutError, match="no layout"):
+            run.resize([GpuSlot("n0", 0), GpuSlot("n0", 2), GpuSlot("n0", 3)])
+        report = run.resize(
+            [GpuSlot("n0", 0), GpuSlot("n0", 2), GpuSlot("n0", 3), GpuSlot("n0", 4)]
+        )
+        assert report.ok and report.dst.world_size == 4
+        assert report.workers_released == [pids[1]] and len(report.workers_started) == 3
+        assert pids[0] in run.worker_pids()
+        step_at_switch = report.step
+        _wait_for_step(run, step_at_switch + 2)
+        progress = run.step_progress()
+        assert progress.layout == report.dst
+        assert progress.samples_per_s > 0 and progress.loss is not None
+        assert sorted(run.worker_pids()) == sorted(progress.worker_pids)
+        run.pause()
+        stopped_at = run.step_progress().step
+        time.sleep(0.2)
+        assert run.step_progress().step == stopped_at
