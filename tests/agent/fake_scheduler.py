@@ -1,0 +1,159 @@
+"""A real HTTP server on 127.0.0.1 that implements the scheduler's three agent endpoints.
+
+It validates every body with the protocol models, records what it received, and can be told to
+fail (503 on telemetry, 404 on a heartbeat) to exercise the agent's retries.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from worker_agent.protocol import (
+    Heartbeat,
+    HeartbeatAck,
+    NodeRegistered,
+    NodeRegistration,
+    TelemetryAck,
+    TelemetryReport,
+    TelemetrySample,
+)
+
+
+@dataclass
+class FakeScheduler:
+    """What the fake received, and how it should answer next."""
+
+    token: str = "agent-token"
+    heartbeat_interval_s: float = 0.5
+    telemetry_interval_s: float = 0.5
+    registrations: list[NodeRegistration] = field(default_factory=list)
+    heartbeats: list[Heartbeat] = field(default_factory=list)
+    samples: dict[str, TelemetrySample] = field(default_factory=dict)
+    telemetry_posts: int = 0
+    duplicates: int = 0
+    unauthorized: int = 0
+    fail_telemetry: int = 0
+    """Answer this many telemetry posts with 503 (then succeed)."""
+    forget_node: bool = False
+    """Answer the next heartbeat with 404 (unknown node)."""
+    stop_job_ids: list[int] = field(default_factory=list)
+    url: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def job_samples(self, job_id: int) -> list[TelemetrySample]:
+        """Samples of one job in time order."""
+        with self.lock:
+            return sorted(
+                (s for s in self.samples.values() if s.job_id == job_id), key=lambda s: s.at
+            )
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 60) -> None:
+        """Poll until predicate() holds; fail the test if it never does."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def _handler(fake: FakeScheduler) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            return
+
+        def _send(self, status: int, body: BaseModel | dict[str, Any]) -> None:
+            data = (
+                body.model_dump_json().encode()
+                if isinstance(body, BaseModel)
+                else json.dumps(body).encode()
+            )
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("content-length", 0)))
+            if self.headers.get("authorization") != f"Bearer {fake.token}":
+                with fake.lock:
+                    fake.unauthorized += 1
+                self._send(401, {"detail": "bad token"})
+                return
+            try:
+                self._route(raw)
+            except ValidationError as exc:
+                self._send(422, {"detail": exc.errors(include_url=False)})
+
+        def _route(self, raw: bytes) -> None:
+            path = self.path
+            if path == "/v1/nodes/register":
+                reg = NodeRegistration.model_validate_json(raw)
+                with fake.lock:
+                    fake.registrations.append(reg)
+                    node_id = len(fake.registrations)
+                self._send(
+                    200,
+                    NodeRegistered(
+                        node_id=node_id,
+                        heartbeat_interval_s=fake.heartbeat_interval_s,
+                        telemetry_interval_s=fake.telemetry_interval_s,
+                    ),
+                )
+            elif path.startswith("/v1/nodes/") and path.endswith("/heartbeat"):
+                hb = Heartbeat.model_validate_json(raw)
+                with fake.lock:
+                    if fake.forget_node:
+                        fake.forget_node = False
+                        self._send(404, {"detail": "unknown node"})
+                        return
+                    fake.heartbeats.append(hb)
+                    stop = list(fake.stop_job_ids)
+                self._send(200, HeartbeatAck(stop_job_ids=stop))
+            elif path == "/v1/telemetry":
+                report = TelemetryReport.model_validate_json(raw)
+                with fake.lock:
+                    fake.telemetry_posts += 1
+                    if fake.fail_telemetry > 0:
+                        fake.fail_telemetry -= 1
+                        self._send(503, {"detail": "restarting"})
+                        return
+                    stored = dups = 0
+                    for s in report.samples:
+                        if s.sample_id in fake.samples:
+                            dups += 1
+                        else:
+                            fake.samples[s.sample_id] = s
+                            stored += 1
+                    fake.duplicates += dups
+                self._send(200, TelemetryAck(stored=stored, duplicates=dups))
+            else:
+                self._send(404, {"detail": f"no route {path}"})
+
+    return Handler
+
+
+@contextmanager
+def fake_scheduler(**kwargs: Any) -> Iterator[FakeScheduler]:
+    """Serve a FakeScheduler on a free port for the duration of the block."""
+    fake = FakeScheduler(**kwargs)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+    server.daemon_threads = True
+    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake
+    finally:
+        server.shutdown()
+        server.server_close()

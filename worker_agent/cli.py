@@ -1,0 +1,142 @@
+"""`greenflow agent`: run the worker agent of one node (real GPUs or simulated CPU slots).
+
+The scheduler's CLI registers `agent` as a command; `python -m worker_agent.cli` runs it alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import sys
+from typing import Annotated, NoReturn
+
+import typer
+
+from worker_agent.agent import AgentConfig, serve
+from worker_agent.protocol import GpuSlotInfo
+from worker_agent.telemetry import NvmlMeter, NvmlUnavailable
+
+USAGE_ERROR = 2
+NAME_PATTERN = r"[A-Za-z0-9_.-]{1,100}"
+
+log = logging.getLogger("greenflow.agent")
+
+
+def _fail(message: str) -> NoReturn:
+    """One-line error on stderr, exit code 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(USAGE_ERROR)
+
+
+def _default_name() -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:100]
+    return name or "agent"
+
+
+def _real_gpu_slots(gpus: int) -> tuple[list[GpuSlotInfo], str, NvmlMeter | None]:
+    """Slots for the first `gpus` CUDA devices; refuses if fewer are present."""
+    import torch
+
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if present < gpus:
+        _fail(f"--gpus {gpus}: only {present} CUDA device(s) present; use --simulate-gpus N")
+    try:
+        nvml: NvmlMeter | None = NvmlMeter()
+    except NvmlUnavailable as exc:
+        log.warning("%s: power will be estimated, not measured", exc)
+        nvml = None
+    slots: list[GpuSlotInfo] = []
+    kind = torch.cuda.get_device_name(0)
+    for i in range(gpus):
+        if nvml is not None:
+            kind, uuid, memory_mb = nvml.describe(i)
+            slots.append(GpuSlotInfo(index=i, uuid=uuid, memory_mb=memory_mb))
+        else:
+            props = torch.cuda.get_device_properties(i)
+            slots.append(GpuSlotInfo(index=i, memory_mb=int(props.total_memory // 2**20)))
+    return slots, kind[:64], nvml
+
+
+def agent(
+    scheduler: Annotated[str, typer.Option(help="Scheduler base URL, e.g. http://127.0.0.1:8000.")],
+    token: Annotated[
+        str,
+        typer.Option(help="Agent API token (role agent).", envvar="GREENFLOW_AGENT_TOKEN"),
+    ],
+    gpus: Annotated[
+        int | None, typer.Option(help="Offer this many real CUDA GPUs (0..N-1).")
+    ] = None,
+    simulate_gpus: Annotated[
+        int | None,
+        typer.Option(help="Offer this many simulated GPU slots (CPU worker processes)."),
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Node name (default: the host name).")] = None,
+    host: Annotated[str, typer.Option(help="Address the agent API listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port of the agent API (0 = a free port).")] = 0,
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(help="URL the scheduler should call (default: http://HOST:PORT)."),
+    ] = None,
+) -> None:
+    """Run a worker agent: register with the scheduler and run the jobs it places here."""
+    if (gpus is None) == (simulate_gpus is None):
+        _fail("give exactly one of --gpus N or --simulate-gpus N")
+    count = gpus if gpus is not None else simulate_gpus
+    assert count is not None
+    if not 1 <= count <= 1024:
+        _fail(f"the GPU count must be between 1 and 1024, got {count}")
+    if not re.fullmatch(r"https?://\S+", scheduler):
+        _fail(f"--scheduler must be an http(s):// URL, got {scheduler!r}")
+    if not token.strip():
+        _fail("--token must not be empty")
+    node = name or _default_name()
+    if not re.fullmatch(NAME_PATTERN, node):
+        _fail(f"--name {node!r}: use 1-100 letters, digits, '_', '.', '-'")
+    if not 0 <= port <= 65535:
+        _fail(f"--port must be 0..65535, got {port}")
+    if advertise_url is not None and not re.fullmatch(r"https?://\S+", advertise_url):
+        _fail(f"--advertise-url must be an http(s):// URL, got {advertise_url!r}")
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # One line per scheduler request would drown the agent's own log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    nvml: NvmlMeter | None = None
+    if gpus is not None:
+        slots, kind, nvml = _real_gpu_slots(gpus)
+        simulated = False
+    else:
+        slots = [GpuSlotInfo(index=i) for i in range(count)]
+        kind, simulated = "simulated", True
+    config = AgentConfig(
+        scheduler_url=scheduler,
+        token=token,
+        name=node,
+        slots=slots,
+        simulated=simulated,
+        gpu_kind=kind,
+        host=host,
+        port=port,
+        advertise_url=advertise_url,
+    )
+    try:
+        serve(config, nvml)
+    except OSError as exc:
+        _fail(f"cannot listen on {host}:{port}: {exc}")
+
+
+def main() -> None:
+    """Run `agent` as a stand-alone command."""
+    sys.exit(typer.main.get_command(_app()).main(standalone_mode=True))
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(agent)
+    return app
+
+
+if __name__ == "__main__":
+    main()
