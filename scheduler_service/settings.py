@@ -86,6 +86,9 @@ class ClusterConfig(BaseModel):
     pue: Annotated[float, Field(ge=1.0, le=3.0)] = 1.2
     idle_power_per_gpu_w: Annotated[float, Field(ge=0, le=2000)] = 60.0
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    # How often agents heartbeat and report telemetry (told to them at registration).
+    agent_heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    agent_telemetry_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
 
 
 class GreenflowConfig(BaseModel):

@@ -100,6 +100,8 @@ class Node(Base):
     state: Mapped[str] = mapped_column(String(16), default="ready")
     gpu_kind: Mapped[str] = mapped_column(String(64), default="simulated")
     simulated: Mapped[bool] = mapped_column(default=True)
+    # Secret the agent chose at registration; the scheduler presents it on every call to the agent.
+    agent_secret: Mapped[str] = mapped_column(String(200), default="", server_default="")
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[datetime | None]
 
@@ -139,6 +141,9 @@ class Allocation(Base):
     gpus: Mapped[int]
     slot_indices: Mapped[list[int]] = mapped_column(JSON, default=list)
     layout: Mapped[str | None] = mapped_column(String(32))
+    # The job's power model at each GPU count (simulated slots estimate power from it).
+    estimated_power_w: Mapped[dict[str, float] | None] = mapped_column(JSON)
+    reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     status: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(default=0)
     error: Mapped[str | None] = mapped_column(Text)
@@ -225,3 +230,28 @@ class LedgerEntry(Base):
     intensity_g_per_kwh: Mapped[float]
     emissions_kg: Mapped[float]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Plan(Base):
+    """An allocation plan the control loop made (the newest one is the current plan)."""
+
+    __tablename__ = "plans"
+    __table_args__ = (Index("ix_plans_created_at", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    start_at: Mapped[datetime]
+    slot_s: Mapped[float]
+    policy: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(32))
+    gap: Mapped[float | None]
+    solve_s: Mapped[float]
+    energy_kwh: Mapped[float]
+    emissions_kg: Mapped[float]
+    forecast_degraded: Mapped[bool] = mapped_column(default=False)
+    # {"<job id>": [gpus per slot, ...]}
+    gpus_by_job: Mapped[dict[str, list[int]]] = mapped_column(JSON)
+    # [{"capacity_gpus", "intensity_g_per_kwh", "energy_kwh", "emissions_kg"}, ...] per slot
+    slots: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    # {"<job id>": "reason"} for jobs whose deadline the plan cannot meet
+    deadline_misses: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Path, Query, Response, status
+from fastapi import APIRouter, Body, Path, Query, Request, Response, status
 
 from scheduler_service.deps import Operator, SessionDep, UserOrOperator
 from scheduler_service.exceptions import error_responses
@@ -35,12 +35,14 @@ Offset = Annotated[int, Query(ge=0, le=10**9)]
     },
 )
 def submit_job(
-    spec: JobSpec, session: SessionDep, caller: UserOrOperator, response: Response
+    spec: JobSpec, session: SessionDep, caller: UserOrOperator, response: Response, request: Request
 ) -> JobOut:
     """Submit a training job (idempotent per submission_id)."""
     result = service.submit_job(session, caller, spec)
     if not result.created:
         response.status_code = status.HTTP_200_OK
+    else:
+        request.app.state.wake_control_loop()
     return JobOut.model_validate(result.job)
 
 
@@ -89,11 +91,14 @@ def cancel_job(
     job_id: JobId,
     session: SessionDep,
     caller: UserOrOperator,
+    request: Request,
     body: Annotated[CancelRequest | None, Body()] = None,
 ) -> JobOut:
     """Cancel a job (repeating it is harmless; a finished job cannot be cancelled)."""
     reason = (body or CancelRequest()).reason
-    return JobOut.model_validate(service.cancel_job(session, caller, job_id, reason=reason))
+    job = service.cancel_job(session, caller, job_id, reason=reason)
+    request.app.state.wake_control_loop()
+    return JobOut.model_validate(job)
 
 
 @router.post("/{job_id}/hold", responses=error_responses(404, 409))

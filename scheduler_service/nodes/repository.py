@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from datetime import datetime
+
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from scheduler_service.db.models import GpuSlot, Node
@@ -21,7 +23,74 @@ class NodeRepository:
         used = self.session.scalar(base.where(GpuSlot.job_id.is_not(None))) or 0
         return total, used
 
-    def nodes_with_slots(self) -> list[Node]:
-        """Every node with its slots loaded, by name."""
+    def nodes_with_slots(self, *, ready_only: bool = False) -> list[Node]:
+        """Every node (or every ready node) with its slots loaded, by name."""
         stmt = select(Node).options(selectinload(Node.slots)).order_by(Node.name)
+        if ready_only:
+            stmt = stmt.where(Node.state == "ready")
         return list(self.session.scalars(stmt))
+
+    def by_name(self, name: str) -> Node | None:
+        """The node with this name."""
+        return self.session.scalar(
+            select(Node).options(selectinload(Node.slots)).where(Node.name == name)
+        )
+
+    def get(self, node_id: int) -> Node | None:
+        """The node with this id."""
+        return self.session.get(Node, node_id)
+
+    def add(self, node: Node) -> Node:
+        """Stage a new node and give it an id."""
+        self.session.add(node)
+        self.session.flush()
+        return node
+
+    def add_slot(self, slot: GpuSlot) -> GpuSlot:
+        """Stage a new GPU slot."""
+        self.session.add(slot)
+        return slot
+
+    def delete_slot(self, slot: GpuSlot) -> None:
+        """Remove a slot the node no longer offers."""
+        self.session.delete(slot)
+
+    def stale_ready_nodes(self, heartbeat_before: datetime) -> list[Node]:
+        """Ready nodes whose last heartbeat is older than `heartbeat_before`."""
+        stmt = select(Node).where(
+            Node.state == "ready",
+            (Node.last_heartbeat_at < heartbeat_before) | Node.last_heartbeat_at.is_(None),
+        )
+        return list(self.session.scalars(stmt))
+
+    def slots_of_job(self, job_id: int) -> list[GpuSlot]:
+        """The slots a job holds, by node and index."""
+        stmt = (
+            select(GpuSlot).where(GpuSlot.job_id == job_id).order_by(GpuSlot.node_id, GpuSlot.index)
+        )
+        return list(self.session.scalars(stmt))
+
+    def release_job(self, job_id: int) -> None:
+        """Free every slot a job holds."""
+        self.session.execute(update(GpuSlot).where(GpuSlot.job_id == job_id).values(job_id=None))
+
+    def release_node(self, node_id: int) -> list[int]:
+        """Free every slot of a node; return the ids of the jobs that held them."""
+        jobs = self.session.scalars(
+            select(GpuSlot.job_id)
+            .where(GpuSlot.node_id == node_id, GpuSlot.job_id.is_not(None))
+            .distinct()
+        )
+        job_ids = [j for j in jobs if j is not None]
+        self.session.execute(update(GpuSlot).where(GpuSlot.node_id == node_id).values(job_id=None))
+        return job_ids
+
+    def assign(self, node_id: int, indices: list[int], job_id: int) -> None:
+        """Give these slots of a node to a job (after releasing what it held elsewhere)."""
+        self.release_job(job_id)
+        if indices:
+            self.session.execute(
+                update(GpuSlot)
+                .where(GpuSlot.node_id == node_id, GpuSlot.index.in_(indices))
+                .values(job_id=job_id)
+            )

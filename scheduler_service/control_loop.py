@@ -1,0 +1,187 @@
+"""The control loop: every slot (and at once on events) forecast -> fit -> solve -> place -> push."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from energy_model.carbon.forecast import CarbonForecast
+from energy_model.carbon.resilient import ResilientCarbonSource
+from scheduler_service.allocation.policies import get_policy
+from scheduler_service.allocation.problem import AllocationPlan
+from scheduler_service.carbon.service import make_carbon_source, record_forecast
+from scheduler_service.db.base import utcnow
+from scheduler_service.db.session import transaction
+from scheduler_service.dispatch import service as dispatch
+from scheduler_service.dispatch.repository import AllocationRepository
+from scheduler_service.jobs.repository import JobRepository
+from scheduler_service.leader import LeaderLock
+from scheduler_service.ledger import charge_new_telemetry
+from scheduler_service.nodes.agent_client import AgentClient, AgentRejected, AgentUnreachable
+from scheduler_service.nodes.service import mark_lost_nodes
+from scheduler_service.planning import JobModels, build_problem, plan_row
+from scheduler_service.settings import GreenflowConfig
+
+log = logging.getLogger("greenflow.loop")
+
+PLANS_KEPT = 500
+
+
+@dataclass(frozen=True)
+class TickReport:
+    """What one tick did."""
+
+    at: datetime
+    jobs_planned: int
+    commands: int
+    acked: int
+    failed: int
+    forecast_degraded: bool
+    plan_status: str | None
+
+
+class ControlLoop:
+    """Runs ticks while this replica holds the leader lock."""
+
+    def __init__(
+        self,
+        config: GreenflowConfig,
+        session_factory: sessionmaker[Session],
+        engine: Engine,
+        policy: str = "greenflow",
+        carbon: ResilientCarbonSource | None = None,
+    ) -> None:
+        self.config = config
+        self.session_factory = session_factory
+        self.carbon = carbon or make_carbon_source(config.carbon)
+        self.policy_name = policy
+        self.policy = get_policy(policy)
+        self.models = JobModels()
+        self.previous: AllocationPlan | None = None
+        self.agents = AgentClient()
+        self.leader = LeaderLock(engine)
+        self.wake_event = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.ticks = 0
+
+    def wake(self) -> None:
+        """Ask for a tick as soon as possible (thread-safe: API handlers run in worker threads)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.wake_event.set)
+
+    async def run(self) -> None:
+        """Tick every slot, or sooner when woken, until stopped."""
+        self._loop = asyncio.get_running_loop()
+        while not self._stopping:
+            try:
+                if await asyncio.to_thread(self.leader.try_acquire):
+                    await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("control-loop tick failed; retrying next slot")
+            self.wake_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake_event.wait(), timeout=self.config.planner.slot_s)
+
+    async def stop(self) -> None:
+        """Stop ticking and release the lock and connections."""
+        self._stopping = True
+        self.wake_event.set()
+        await self.agents.aclose()
+        await self.carbon.aclose()
+        self.leader.release()
+
+    async def tick(self) -> TickReport:
+        """One pass of DESIGN.md's data flow."""
+        now = utcnow()
+        forecast = await self.carbon.get_forecast(self.config.planner.horizon_s)
+        planned, status = await asyncio.to_thread(self._plan, forecast, now)
+        deliveries = await asyncio.to_thread(self._deliveries)
+        acked = failed = 0
+        for delivery in deliveries:
+            ok = await self._deliver(delivery)
+            acked += ok
+            failed += not ok
+        self.ticks += 1
+        return TickReport(now, planned, len(deliveries), acked, failed, forecast.degraded, status)
+
+    def _plan(self, forecast: CarbonForecast, now: datetime) -> tuple[int, str | None]:
+        with transaction(self.session_factory) as session:
+            record_forecast(session, forecast)
+            mark_lost_nodes(session, timeout_s=self.config.cluster.heartbeat_timeout_s, now=now)
+            charge_new_telemetry(session, self.config)
+            dispatch.enforce_deadlines(session, now)
+            dispatch.stop_finished_jobs(session)
+            planning = build_problem(session, self.config, forecast, self.models, now)
+            jobs = JobRepository(session)
+            for job_id, reason in planning.unplaceable.items():
+                job = jobs.get(job_id)
+                if job is not None and job.state_reason != reason:
+                    job.state_reason = reason
+            if not planning.problem.jobs:
+                return 0, None
+            plan = self.policy(
+                planning.problem,
+                previous=self.previous,
+                time_limit_s=self.config.planner.solver_time_limit_s,
+                seed=self.config.planner.seed,
+            )
+            self.previous = plan
+            repo = AllocationRepository(session)
+            repo.add_plan(plan_row(plan, planning.problem, forecast.degraded))
+            repo.prune_plans(PLANS_KEPT)
+            changed = dispatch.decide(session, planning, plan, now)
+            if changed:
+                log.info("plan %s: %d allocation change(s)", plan.status, changed)
+            return len(planning.problem.jobs), plan.status
+
+    def _deliveries(self) -> list[dispatch.Delivery]:
+        with transaction(self.session_factory) as session:
+            return dispatch.deliveries(session)
+
+    async def _deliver(self, delivery: dispatch.Delivery) -> bool:
+        command = delivery.command
+        try:
+            if isinstance(command, dispatch.StopCommand):
+                await self.agents.stop(delivery.agent_url, delivery.secret, command)
+                ack = None
+            else:
+                ack = await self.agents.apply(delivery.agent_url, delivery.secret, command)
+        except AgentRejected as exc:
+            log.warning(
+                "agent refused job %s generation %s: %s", command.job_id, command.generation, exc
+            )
+            await asyncio.to_thread(self._record_failure, delivery.allocation_id, str(exc), True)
+            return False
+        except AgentUnreachable as exc:
+            log.warning("agent unreachable for job %s: %s", command.job_id, exc)
+            await asyncio.to_thread(self._record_failure, delivery.allocation_id, str(exc), False)
+            return False
+        if ack is not None:
+            what = "hot switch" if ack.hot_switch else "allocation"
+            log.info(
+                "job %s: %s -> %d GPUs (%s) at step %d",
+                ack.job_id,
+                what,
+                ack.gpus,
+                ack.layout,
+                ack.step,
+            )
+        await asyncio.to_thread(self._record_ack, delivery.allocation_id, ack)
+        return True
+
+    def _record_ack(self, allocation_id: int, ack: dispatch.AllocationAck | None) -> None:
+        with transaction(self.session_factory) as session:
+            dispatch.record_ack(session, allocation_id, ack)
+
+    def _record_failure(self, allocation_id: int, error: str, rejected: bool) -> None:
+        with transaction(self.session_factory) as session:
+            dispatch.record_failure(session, allocation_id, error, rejected=rejected)

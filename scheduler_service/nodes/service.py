@@ -1,0 +1,120 @@
+"""Node use-cases: registration, heartbeats, loss detection. Never commits; the caller does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy.orm import Session
+
+from scheduler_service.db.base import utcnow
+from scheduler_service.db.models import GpuSlot, Job, JobEvent, Node
+from scheduler_service.jobs.repository import JobRepository
+from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, transition
+from scheduler_service.nodes.repository import NodeRepository
+from worker_agent.protocol import Heartbeat, HeartbeatAck, NodeRegistration
+
+
+class UnknownNode(Exception):
+    """A heartbeat from a node the scheduler does not know (it must register again)."""
+
+
+@dataclass(frozen=True)
+class RegistrationResult:
+    """The node row and whether it is new."""
+
+    node: Node
+    created: bool
+
+
+def register_node(session: Session, registration: NodeRegistration) -> RegistrationResult:
+    """Create or refresh a node and its slots; a returning node is reconciled, not duplicated."""
+    repo = NodeRepository(session)
+    now = utcnow()
+    node = repo.by_name(registration.name)
+    created = node is None
+    if node is None:
+        node = repo.add(
+            Node(name=registration.name, agent_url=registration.agent_url, registered_at=now)
+        )
+        existing: dict[int, GpuSlot] = {}
+    else:
+        existing = {slot.index: slot for slot in node.slots}
+    node.agent_url = registration.agent_url
+    node.agent_secret = registration.agent_secret
+    node.gpu_kind = registration.gpu_kind
+    node.simulated = registration.simulated
+    node.state = "ready"
+    node.last_heartbeat_at = now
+    offered = {slot.index for slot in registration.slots}
+    for info in registration.slots:
+        slot = existing.get(info.index)
+        if slot is None:
+            repo.add_slot(
+                GpuSlot(node_id=node.id, index=info.index, uuid=info.uuid, memory_mb=info.memory_mb)
+            )
+        else:
+            slot.uuid = info.uuid
+            slot.memory_mb = info.memory_mb
+    for index, slot in existing.items():
+        if index not in offered:
+            repo.delete_slot(slot)
+    if not created:
+        # An agent that (re)registers runs nothing yet: whatever the database thought ran there
+        # was lost with the old agent process; the jobs go back to the planner.
+        requeue_jobs_of_node(session, node, reason=f"node {node.name} re-registered")
+    session.flush()
+    return RegistrationResult(node, created)
+
+
+def requeue_jobs_of_node(session: Session, node: Node, *, reason: str) -> list[int]:
+    """Free a node's slots and send its running jobs back to the queue with an event."""
+    job_ids = NodeRepository(session).release_node(node.id)
+    jobs = JobRepository(session)
+    for job_id in job_ids:
+        job = jobs.get(job_id)
+        if job is None or JobState(job.state) in TERMINAL_STATES:
+            continue
+        _requeue(jobs, job, reason)
+    return job_ids
+
+
+def _requeue(jobs: JobRepository, job: Job, reason: str) -> None:
+    job.current_gpus = 0
+    job.current_layout = None
+    if JobState(job.state) in ACTIVE_STATES:
+        jobs.add_event(transition(job, JobState.QUEUED, reason=reason))
+    else:
+        jobs.add_event(JobEvent(job_id=job.id, kind="requeue", reason=reason))
+
+
+def heartbeat(session: Session, name: str, beat: Heartbeat) -> HeartbeatAck:
+    """Record a heartbeat; tell the agent which of its jobs the scheduler no longer wants."""
+    repo = NodeRepository(session)
+    node = repo.by_name(name)
+    if node is None or node.state == "lost":
+        # A lost node must register again so the database view is rebuilt from scratch.
+        raise UnknownNode(name)
+    node.last_heartbeat_at = utcnow()
+    jobs = JobRepository(session)
+    stop: list[int] = []
+    held = {slot.job_id for slot in node.slots if slot.job_id is not None}
+    for running in beat.jobs:
+        job = jobs.get(running.job_id)
+        if job is None or JobState(job.state) in TERMINAL_STATES or running.job_id not in held:
+            stop.append(running.job_id)
+    return HeartbeatAck(stop_job_ids=sorted(set(stop)))
+
+
+def mark_lost_nodes(
+    session: Session, *, timeout_s: float, now: datetime | None = None
+) -> list[Node]:
+    """Mark nodes whose heartbeats stopped as lost and re-queue their jobs."""
+    now = now or utcnow()
+    lost = NodeRepository(session).stale_ready_nodes(now - timedelta(seconds=timeout_s))
+    for node in lost:
+        node.state = "lost"
+        requeue_jobs_of_node(
+            session, node, reason=f"node {node.name} lost (no heartbeat for {timeout_s:.0f} s)"
+        )
+    return lost
