@@ -9,7 +9,8 @@ Throughput (time of one iteration of global batch `B` on `n` GPUs, data parallel
     samples_per_s(n, B) = B / t_iter(n, B)
 
 Every coefficient is positive, so throughput grows with diminishing returns (and can fall again
-at large `n` when communication dominates, as the measured profiles do).
+at large `n` when communication dominates, as the measured profiles do). Telemetry from other
+parallel layouts (tensor/pipeline) multiplies this curve by a fitted per-layout speed factor.
 
 Per-GPU power, with utilisation `u` = per-GPU samples/s over what one GPU alone achieves:
 
@@ -28,6 +29,8 @@ import torch
 
 # Relative noise assumed for one telemetry sample (log-space std); sets how fast data beats prior.
 DEFAULT_OBS_REL_STD = 0.05
+# Prior log-std of a layout's speed relative to the reference layout at the same GPU count.
+LAYOUT_LOG_STD = 0.3
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class ThroughputObs:
     global_batch_size: int
     samples_per_s: float
     weight: float = 1.0
+    layout_index: int = 0  # 0 = the reference layout; others get their own speed factor
 
 
 @dataclass(frozen=True)
@@ -137,23 +141,47 @@ def fit_throughput(
     obs_rel_std: float = DEFAULT_OBS_REL_STD,
 ) -> ThroughputParams:
     """MAP fit of the iteration-time model to observed samples/s (log-space errors)."""
-    theta0 = prior.as_log_tensor()
+    return fit_throughput_layouts(observations, prior, 1, prior_log_std, obs_rel_std)[0]
+
+
+def fit_throughput_layouts(
+    observations: Sequence[ThroughputObs],
+    prior: ThroughputParams,
+    n_layouts: int,
+    prior_log_std: float | Sequence[float] = 1.0,
+    obs_rel_std: float = DEFAULT_OBS_REL_STD,
+    layout_log_std: float = LAYOUT_LOG_STD,
+) -> tuple[ThroughputParams, tuple[float, ...]]:
+    """As fit_throughput, plus one log speed factor per non-reference layout (index 1..n-1)."""
     if not observations:
-        return prior
+        return prior, (0.0,) * n_layouts
+    theta0 = torch.cat([prior.as_log_tensor(), torch.zeros(n_layouts - 1, dtype=torch.float64)])
     n = torch.tensor([float(o.gpus) for o in observations], dtype=torch.float64)
     batch = torch.tensor([float(o.global_batch_size) for o in observations], dtype=torch.float64)
     log_obs = torch.log(torch.tensor([o.samples_per_s for o in observations], dtype=torch.float64))
     w = torch.tensor([o.weight for o in observations], dtype=torch.float64)
-    prior_std = torch.as_tensor(prior_log_std, dtype=torch.float64).expand(4)
+    layout = torch.tensor([o.layout_index for o in observations], dtype=torch.long)
+    if int(layout.max()) >= n_layouts or int(layout.min()) < 0:
+        raise ValueError(f"layout_index must be in 0..{n_layouts - 1}")
+    prior_std = torch.cat(
+        [
+            torch.as_tensor(prior_log_std, dtype=torch.float64).expand(4),
+            torch.full((n_layouts - 1,), layout_log_std, dtype=torch.float64),
+        ]
+    )
 
     def loss(theta: torch.Tensor) -> torch.Tensor:
-        a, d, b, c = torch.exp(theta)
+        a, d, b, c = torch.exp(theta[:4])
+        factors = torch.cat([torch.zeros(1, dtype=torch.float64), theta[4:]])
         t_iter = a * batch / n + d + b * (n - 1.0) / n + c * torch.log2(n)
-        resid = (torch.log(batch / t_iter) - log_obs) / obs_rel_std
+        pred = torch.log(batch / t_iter) + factors[layout]
+        resid = (pred - log_obs) / obs_rel_std
         penalty = ((theta - theta0) / prior_std) ** 2
         return 0.5 * (w * resid**2).sum() + 0.5 * penalty.sum()
 
-    return ThroughputParams.from_log_tensor(_minimise(theta0, loss))
+    theta = _minimise(theta0, loss)
+    factors = (0.0, *(float(x) for x in theta[4:].tolist()))
+    return ThroughputParams.from_log_tensor(theta[:4]), factors
 
 
 def fit_power(

@@ -14,7 +14,7 @@ from energy_model.fit import (
     ThroughputObs,
     ThroughputParams,
     fit_power,
-    fit_throughput,
+    fit_throughput_layouts,
 )
 from energy_model.power import A100_POWER, GpuPowerSpec
 from energy_model.priors_data import BUSY_FRACTION, POWER_REL_STD, THROUGHPUT_PRIORS
@@ -75,6 +75,10 @@ class JobModel:
     source: str = "prior"  # "prior" or "fitted"
     samples_used: int = 0
     params: JobModelParams | None = field(default=None, compare=False)
+    # Layout last seen at each count and each layout's speed relative to the reference layout
+    # (the most used one); the throughput table already includes these factors.
+    layout_at: dict[int, str] = field(default_factory=dict)
+    layout_speed_factor: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("throughput_samples_per_s", "power_w", "throughput_rel_std", "power_rel_std"):
@@ -104,7 +108,7 @@ class TelemetryPoint:
     samples_per_s: float
     power_w: float | None  # total of the job's GPUs; None where not measured
     at: datetime
-    layout: str | None = None  # e.g. "dp4" or "dp2-tp2"; recorded, not yet modelled separately
+    layout: str | None = None  # e.g. "dp4" or "dp2-tp2"; each layout gets a fitted speed factor
 
 
 def resolve_workload(workload: str) -> str:
@@ -160,14 +164,21 @@ def model_from_params(
     power_rel_std: dict[int, float] | None = None,
     source: str = "prior",
     samples_used: int = 0,
+    layout_at: dict[int, str] | None = None,
+    layout_speed_factor: dict[str, float] | None = None,
 ) -> JobModel:
-    """Tabulate a parametric model at the allowed GPU counts."""
+    """Tabulate a parametric model at the allowed GPU counts (with each count's layout factor)."""
     counts = tuple(sorted(set(allowed_gpus)))
     if not counts or counts[0] <= 0:
         raise ValueError(f"allowed_gpus must be positive integers, got {list(allowed_gpus)}")
     batch = params.global_batch_size
     single = params.throughput.samples_per_s(1, batch)
-    throughput = {g: params.throughput.samples_per_s(g, batch) for g in counts}
+    layout_at = layout_at or {}
+    factors = layout_speed_factor or {}
+    throughput = {
+        g: params.throughput.samples_per_s(g, batch) * factors.get(layout_at.get(g, ""), 1.0)
+        for g in counts
+    }
     power = {g: g * params.power.per_gpu_w(throughput[g] / (g * single)) for g in counts}
     return JobModel(
         allowed_gpus=counts,
@@ -180,6 +191,8 @@ def model_from_params(
         source=source,
         samples_used=samples_used,
         params=params,
+        layout_at={g: layout_at[g] for g in counts if g in layout_at},
+        layout_speed_factor=dict(factors),
     )
 
 
@@ -241,15 +254,25 @@ class JobModelFitter:
             return self.prior
         weights = self._weights()
         batch = prior.global_batch_size
-        throughput = fit_throughput(
+        # The most used layout (by weight) is the reference; others get a fitted speed factor.
+        layout_weight: dict[str, float] = {}
+        for p, w in zip(self.samples, weights, strict=True):
+            key = p.layout or ""
+            layout_weight[key] = layout_weight.get(key, 0.0) + w
+        layouts = sorted(layout_weight, key=lambda k: (-layout_weight[k], k))
+        index = {name: i for i, name in enumerate(layouts)}
+        throughput, log_factors = fit_throughput_layouts(
             [
-                ThroughputObs(p.gpus, batch, p.samples_per_s, w)
+                ThroughputObs(p.gpus, batch, p.samples_per_s, w, index[p.layout or ""])
                 for p, w in zip(self.samples, weights, strict=True)
             ],
             prior.throughput,
+            len(layouts),
             prior_log_std=prior.param_log_std,
             obs_rel_std=self.obs_rel_std,
         )
+        speed = {name: math.exp(log_factors[i]) for name, i in index.items()}
+        layout_at = {p.gpus: p.layout or "" for p in self.samples}  # latest sample wins
         single = throughput.samples_per_s(1, batch)
         powered = [
             (p, w) for p, w in zip(self.samples, weights, strict=True) if p.power_w is not None
@@ -269,7 +292,14 @@ class JobModelFitter:
         t_std = self._rel_std(
             counts,
             [
-                (p.gpus, w, math.log(p.samples_per_s / throughput.samples_per_s(p.gpus, batch)))
+                (
+                    p.gpus,
+                    w,
+                    math.log(
+                        p.samples_per_s
+                        / (throughput.samples_per_s(p.gpus, batch) * speed[p.layout or ""])
+                    ),
+                )
                 for p, w in zip(self.samples, weights, strict=True)
             ],
             prior.prior_throughput_rel_std,
@@ -290,7 +320,14 @@ class JobModelFitter:
             prior.prior_power_rel_std,
         )
         return model_from_params(
-            params, counts, t_std, p_std, source="fitted", samples_used=len(self.samples)
+            params,
+            counts,
+            t_std,
+            p_std,
+            source="fitted",
+            samples_used=len(self.samples),
+            layout_at=layout_at,
+            layout_speed_factor=speed,
         )
 
     def _rel_std(

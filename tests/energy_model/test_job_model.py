@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -185,3 +186,35 @@ def test_prior_reproduces_measured_profile(shared_data: Path) -> None:
         model = prior_job_model(name, batch, sorted(measured))
         for g, sps in measured.items():
             assert model.throughput_samples_per_s[g] == pytest.approx(sps, rel=0.15)
+
+
+def test_layouts_get_their_own_speed_factor() -> None:
+    batch = 128
+    prior = prior_job_model("gpt2", batch, COUNTS)
+    truth = ThroughputParams(2e-3, 1e-2, 2e-2, 3e-3)
+    power = PowerParams(54, 250, 0.9)
+    data = synthetic_points(truth, power, batch, (1, 2, 4, 8), 40, noise=0.01)
+    data = [replace(p, layout=f"dp{p.gpus}") for p in data]
+    # The same 4 GPUs as dp2-tp2 run 20 % slower than dp4; the latest samples use it.
+    slow_start = T0 + timedelta(hours=1)
+    slow = [
+        TelemetryPoint(
+            4,
+            0.8 * truth.samples_per_s(4, batch),
+            None,
+            slow_start + timedelta(seconds=30 * i),
+            layout="dp2-tp2",
+        )
+        for i in range(6)
+    ]
+    model = JobModelFitter(prior).update(data + slow)
+    assert model.layout_at[4] == "dp2-tp2" and model.layout_at[8] == "dp8"
+    assert model.layout_speed_factor["dp2-tp2"] / model.layout_speed_factor["dp4"] == (
+        pytest.approx(0.8, rel=0.05)
+    )
+    assert model.throughput_samples_per_s[4] == pytest.approx(
+        0.8 * truth.samples_per_s(4, batch), rel=0.05
+    )
+    assert model.throughput_samples_per_s[8] == pytest.approx(
+        truth.samples_per_s(8, batch), rel=0.05
+    )
