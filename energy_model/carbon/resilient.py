@@ -10,7 +10,6 @@ measured history this source has seen, or else with the conservative value; neve
 from __future__ import annotations
 
 import logging
-from collections import deque
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -24,7 +23,8 @@ from energy_model.carbon.forecast import (
     Signal,
     window_points,
 )
-from energy_model.carbon.forecaster import forecast_hourly
+from energy_model.carbon.forecaster import forecast_hourly, to_hourly
+from energy_model.carbon.series import IntensitySeries
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ class ResilientCarbonSource:
         self.clock = clock
         self.last_good: CarbonForecast | None = None
         self.last_error: CarbonProviderError | None = None
-        # (time, intensity) of first points of good forecasts: the forecaster's history.
-        self.history: deque[tuple[datetime, float]] = deque(maxlen=HISTORY_POINTS)
+        # Measured/estimated intensity per whole UTC hour (latest value seen in that hour).
+        self.history: dict[datetime, float] = {}
 
     @property
     def name(self) -> str:
@@ -88,8 +88,18 @@ class ResilientCarbonSource:
         for point in forecast.points:
             if point.kind == PointKind.FORECAST:
                 continue
-            if not self.history or point.at >= self.history[-1][0] + timedelta(minutes=30):
-                self.history.append((point.at, point.intensity_g_per_kwh))
+            hour = point.at.replace(minute=0, second=0, microsecond=0)
+            self.history[hour] = point.intensity_g_per_kwh
+        for hour in sorted(self.history)[:-HISTORY_POINTS]:
+            del self.history[hour]
+
+    def history_hourly(self) -> list[float]:
+        """The remembered history on a contiguous hourly grid (gaps hold the previous value)."""
+        if not self.history:
+            return []
+        hours = sorted(self.history)
+        series = IntensitySeries(tuple(hours), tuple(self.history[h] for h in hours), "history")
+        return [float(v) for v in to_hourly(series)[1]]
 
     def _extend(self, forecast: CarbonForecast, now: datetime, horizon_s: int) -> CarbonForecast:
         """Fill the horizon past the provider's last point (forecaster, else conservative)."""
@@ -103,7 +113,7 @@ class ResilientCarbonSource:
         if gap_s <= step_s:
             return forecast
         hours = min(MAX_EXTENSION_STEPS, int(gap_s // step_s))
-        values = [v for _, v in self.history] or [p.intensity_g_per_kwh for p in forecast.points]
+        values = self.history_hourly()
         if len(values) >= 24:
             future, method = forecast_hourly(np.asarray(values), hours)
             kind_note = f"extended past {last.at:%Y-%m-%d %H:%M}Z with local {method}"
