@@ -9,6 +9,7 @@ import pytest
 from energy_model.carbon import (
     PointKind,
     ProviderAuthError,
+    ProviderBadResponse,
     ProviderConfigError,
     ProviderRateLimited,
     ProviderRequestError,
@@ -202,3 +203,27 @@ async def test_connection_refused(clock: FakeClock, fast_http: HttpSettings) -> 
 def test_requires_token() -> None:
     with pytest.raises(ProviderConfigError, match="token"):
         ElectricityMapsProvider("DE", None)
+
+
+async def test_html_200_is_a_bad_response(
+    fake_server: FakeServer, clock: FakeClock, fast_http: HttpSettings
+) -> None:
+    fake_server.route(
+        "/carbon-intensity/latest",
+        Reply(200, "<html><body>Login to Wi-Fi</body></html>", "text/html"),
+    )
+    p = provider(fake_server, clock, fast_http)
+    with pytest.raises(ProviderBadResponse, match="expected JSON, got text/html"):
+        await p.get_forecast(3600)
+    await p.aclose()
+
+
+async def test_missing_fields_is_a_bad_response(
+    fake_server: FakeServer, clock: FakeClock, fast_http: HttpSettings
+) -> None:
+    fake_server.route("/carbon-intensity/latest", Reply(body=LATEST))
+    fake_server.route("/carbon-intensity/forecast", Reply(body={"zone": "DE", "data": []}))
+    p = provider(fake_server, clock, fast_http)
+    with pytest.raises(ProviderBadResponse, match="unexpected response shape"):
+        await p.get_forecast(3600)
+    await p.aclose()
