@@ -120,7 +120,7 @@ class ConsoleRepository:
         stmt = select(Job.state, func.count()).group_by(Job.state)
         if owner is not None:
             stmt = stmt.where(Job.owner == owner)
-        return {state: count for state, count in self.session.execute(stmt).tuples()}
+        return {state: count for state, count in self.session.execute(stmt)}
 
     def jobs_in_states(self, states: Sequence[str], *, owner: str | None) -> list[Job]:
         """Jobs in these states (of `owner` when given), oldest first."""
@@ -164,7 +164,7 @@ class ConsoleRepository:
             stmt = stmt.where(Job.owner == owner)
         return [
             EventRow(event=event, job_name=name, job_owner=job_owner)
-            for event, name, job_owner in self.session.execute(stmt).tuples()
+            for event, name, job_owner in self.session.execute(stmt)
         ]
 
     # Telemetry and allocations --------------------------------------------------------------
@@ -209,7 +209,7 @@ class ConsoleRepository:
         )
         return [
             GpuUseRow(at=at, job_id=job_id, gpus=gpus)
-            for at, job_id, gpus in self.session.execute(stmt).tuples()
+            for at, job_id, gpus in self.session.execute(stmt)
         ]
 
     def allocations(self, job_id: int) -> list[Allocation]:
@@ -297,5 +297,5 @@ class ConsoleRepository:
                 emissions_kg=float(emissions or 0.0),
                 energy_kwh=float(energy or 0.0),
             )
-            for start, end, emissions, energy in self.session.execute(stmt).tuples()
+            for start, end, emissions, energy in self.session.execute(stmt)
         ]

@@ -1,0 +1,349 @@
+"""The console in-process: sign-in cookie, form tokens, visibility rules, missing assets, no CDN."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from scheduler_service.auth.service import create_token
+from scheduler_service.auth.tokens import Role
+from scheduler_service.console.formatting import fmt_duration_s, fmt_kg, fmt_kwh, fmt_time
+from scheduler_service.console.repository import GpuUseRow
+from scheduler_service.console.router import STATIC_DIR
+from scheduler_service.console.service import gpus_in_use_series, period_bounds
+from scheduler_service.console.session import COOKIE_NAME
+from scheduler_service.db.session import make_engine, make_session_factory, transaction
+from tests.browser.conftest import REPO_ROOT, SeededDb, fresh_client
+
+TEMPLATES = STATIC_DIR.parent / "templates"
+# Anything that would make the browser fetch from another origin.
+EXTERNAL_URL = re.compile(
+    r"""(?i)(?:https?:)?//[a-z0-9.-]+\.[a-z]{2,}|(?:src|href|action)\s*=\s*["']//"""
+)
+
+
+def sign_in(client: TestClient, token: str) -> None:
+    """Sign in through the form; the cookie lands in the client's jar."""
+    response = client.post("/console/login", data={"token": token}, follow_redirects=False)
+    assert response.status_code == 303, response.text
+    assert response.headers["location"] == "/console"
+
+
+def form_token(client: TestClient, path: str) -> str:
+    """The form token rendered into a page's forms."""
+    page = client.get(path)
+    match = re.search(r'name="form_token" value="([0-9a-f]{64})"', page.text)
+    assert match, f"no form token on {path}"
+    return match.group(1)
+
+
+def job_state(client: TestClient, token: str, job_id: int) -> dict[str, object]:
+    """The job as the REST API shows it to `token`."""
+    response = client.get(f"/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"})
+    assert response.status_code == 200
+    body: dict[str, object] = response.json()
+    return body
+
+
+def test_no_template_or_own_asset_refers_to_an_external_url() -> None:
+    own_files = [*TEMPLATES.glob("*.html"), *STATIC_DIR.glob("*.css"), *STATIC_DIR.glob("*.js")]
+    assert len(own_files) >= 8
+    offenders = {
+        f.name: EXTERNAL_URL.findall(f.read_text(encoding="utf-8"))
+        for f in own_files
+        if EXTERNAL_URL.search(f.read_text(encoding="utf-8"))
+    }
+    assert offenders == {}
+
+
+def test_external_url_pattern_catches_cdn_references() -> None:
+    # The check above must not pass vacuously: it flags the usual ways of pulling from a CDN.
+    for html in (
+        '<script src="https://unpkg.com/htmx.org@2.0.11"></script>',
+        '<link href="//cdn.jsdelivr.net/npm/uplot/dist/uPlot.min.css">',
+        "@import url(http://fonts.googleapis.com/css);",
+    ):
+        assert EXTERNAL_URL.search(html), html
+    assert not EXTERNAL_URL.search('<script src="{{ static_prefix }}/vendor/htmx.min.js">')
+
+
+def test_front_end_libraries_are_pinned_exactly() -> None:
+    package = json.loads((REPO_ROOT / "package.json").read_text(encoding="utf-8"))
+    lock = json.loads((REPO_ROOT / "package-lock.json").read_text(encoding="utf-8"))
+    assert set(package["dependencies"]) == {"htmx.org", "uplot"}
+    for name, version in package["dependencies"].items():
+        assert re.fullmatch(r"\d+\.\d+\.\d+", version), f"{name} {version} is not an exact pin"
+        assert lock["packages"][f"node_modules/{name}"]["version"] == version
+        assert lock["packages"][f"node_modules/{name}"]["integrity"].startswith("sha512-")
+    assert package["dependencies"]["htmx.org"].startswith("2.")
+
+
+def test_pages_need_sign_in(app_client: TestClient) -> None:
+    app_client.cookies.clear()
+    for path in (
+        "/console",
+        "/console/carbon",
+        "/console/jobs",
+        "/console/jobs/1",
+        "/console/nodes",
+    ):
+        response = app_client.get(path, follow_redirects=False)
+        assert response.status_code == 303, path
+        assert response.headers["location"] == f"/console/login?next={path}"
+    htmx = app_client.get("/console", headers={"HX-Request": "true"}, follow_redirects=False)
+    assert htmx.headers["HX-Redirect"] == "/console/login?next=/console"
+
+
+def test_sign_in_sets_a_strict_http_only_cookie(seeded_db: SeededDb) -> None:
+    with fresh_client(seeded_db) as client:
+        response = client.post(
+            "/console/login",
+            data={"token": seeded_db.seeded.operator_token, "next": "/console/nodes"},
+            follow_redirects=False,
+        )
+        assert response.status_code == 303
+        assert response.headers["location"] == "/console/nodes"
+        cookie = response.headers["set-cookie"]
+        assert cookie.startswith(f"{COOKIE_NAME}=")
+        assert "HttpOnly" in cookie
+        assert "SameSite=strict" in cookie
+        assert "Path=/console" in cookie
+        assert "Secure" not in cookie  # plain http on loopback; Secure is set over https
+        page = client.get("/console")
+        assert page.status_code == 200
+        assert "ops" in page.text
+        assert page.headers["Content-Security-Policy"].startswith("default-src 'self'")
+        assert page.headers["Cache-Control"] == "no-store"
+
+
+def test_sign_in_over_https_marks_the_cookie_secure(seeded_db: SeededDb) -> None:
+    with fresh_client(seeded_db) as client:
+        client.base_url = client.base_url.copy_with(scheme="https")
+        response = client.post(
+            "/console/login",
+            data={"token": seeded_db.seeded.operator_token},
+            follow_redirects=False,
+        )
+        assert "Secure" in response.headers["set-cookie"]
+
+
+@pytest.mark.parametrize("kind", ["wrong", "agent", "revoked-format"])
+def test_bad_tokens_cannot_sign_in(seeded_db: SeededDb, kind: str) -> None:
+    if kind == "agent":
+        engine = make_engine(seeded_db.url)
+        with transaction(make_session_factory(engine)) as session:
+            token = create_token(session, name="node-9", role=Role.AGENT)
+        engine.dispose()
+    elif kind == "wrong":
+        token = seeded_db.seeded.operator_token[:-4] + "xxxx"
+    else:
+        token = "not-a-token"
+    with fresh_client(seeded_db) as client:
+        response = client.post("/console/login", data={"token": token}, follow_redirects=False)
+        assert response.status_code == 401
+        assert "unknown, revoked or not a user/operator token" in response.text
+        assert "set-cookie" not in response.headers
+
+
+def test_sign_in_never_redirects_off_site(seeded_db: SeededDb) -> None:
+    with fresh_client(seeded_db) as client:
+        for target in ("https://evil.example/", "//evil.example/console", "/v1/jobs"):
+            response = client.post(
+                "/console/login",
+                data={"token": seeded_db.seeded.operator_token, "next": target},
+                follow_redirects=False,
+            )
+            assert response.headers["location"] == "/console", target
+
+
+def test_actions_need_the_session_form_token(seeded_db: SeededDb) -> None:
+    seeded = seeded_db.seeded
+    with fresh_client(seeded_db) as client:
+        sign_in(client, seeded.operator_token)
+        path = f"/console/jobs/{seeded.alice_queued_job_id}"
+        for bad in ("", "0" * 64):
+            response = client.post(f"{path}/cancel", data={"form_token": bad})
+            assert response.status_code in (403, 422)
+        assert job_state(client, seeded.operator_token, seeded.alice_queued_job_id)["state"] == (
+            "QUEUED"
+        )
+        # A token from another session does not work either.
+        with fresh_client(seeded_db) as other:
+            sign_in(other, seeded.alice_token)
+            foreign = form_token(other, path)
+        response = client.post(f"{path}/hold", data={"form_token": foreign})
+        assert response.status_code == 403
+        assert "Form expired" in response.text
+        assert job_state(client, seeded.operator_token, seeded.alice_queued_job_id)["held"] is False
+
+
+def test_operator_priority_and_hold_are_recorded_as_events(seeded_db: SeededDb) -> None:
+    seeded = seeded_db.seeded
+    job_id = seeded.alice_queued_job_id
+    with fresh_client(seeded_db) as client:
+        sign_in(client, seeded.operator_token)
+        token = form_token(client, f"/console/jobs/{job_id}")
+        response = client.post(
+            f"/console/jobs/{job_id}/priority",
+            data={"form_token": token, "priority": "9"},
+            follow_redirects=False,
+        )
+        assert response.status_code == 303
+        assert response.headers["location"] == f"/console/jobs/{job_id}?done=priority"
+        client.post(f"/console/jobs/{job_id}/hold", data={"form_token": token})
+        page = client.get(f"/console/jobs/{job_id}")
+        assert "priority 1 -&gt; 9" in page.text
+        assert 'class="badge held"' in page.text
+        job = job_state(client, seeded.operator_token, job_id)
+        assert (job["priority"], job["held"]) == (9, True)
+        events = client.get(
+            f"/v1/jobs/{job_id}/events",
+            headers={"Authorization": f"Bearer {seeded.operator_token}"},
+        ).json()
+        assert [(e["kind"], e["actor"]) for e in events[-2:]] == [
+            ("priority", "ops"),
+            ("hold", "ops"),
+        ]
+        client.post(f"/console/jobs/{job_id}/release", data={"form_token": token})
+        assert job_state(client, seeded.operator_token, job_id)["held"] is False
+
+
+def test_users_see_only_their_own_jobs_and_no_actions_on_others(seeded_db: SeededDb) -> None:
+    seeded = seeded_db.seeded
+    with fresh_client(seeded_db) as client:
+        sign_in(client, seeded.bob_token)
+        listing = client.get("/console/jobs?owner=alice").text
+        assert "resnet50-sweep" in listing
+        assert "bert-finetune" not in listing and "gpt2-pretrain" not in listing
+        assert client.get(f"/console/jobs/{seeded.running_job_id}").status_code == 404
+        own = client.get(f"/console/jobs/{seeded.at_risk_job_id}")
+        assert own.status_code == 200
+        assert "Cancel job" in own.text
+        assert "Set priority" not in own.text and ">Hold<" not in own.text
+        token = form_token(client, f"/console/jobs/{seeded.at_risk_job_id}")
+        # Cancelling someone else's job: not found, not cancelled.
+        response = client.post(
+            f"/console/jobs/{seeded.running_job_id}/cancel", data={"form_token": token}
+        )
+        assert response.status_code == 404
+        # Operator-only actions on one's own job: refused, and said so.
+        response = client.post(
+            f"/console/jobs/{seeded.at_risk_job_id}/hold", data={"form_token": token}
+        )
+        assert response.status_code == 403
+        assert "only operators can hold or release jobs" in response.text
+        nodes = client.get("/console/nodes").text
+        assert "another user's job" in nodes
+        assert "bert-finetune" not in nodes
+        overview = client.get("/console").text
+        assert "bert-finetune" not in overview  # alice's events are not bob's to see
+        assert job_state(client, seeded.operator_token, seeded.running_job_id)["state"] == "RUNNING"
+
+
+def test_cancelling_a_finished_job_is_refused_with_a_reason(seeded_db: SeededDb) -> None:
+    seeded = seeded_db.seeded
+    with fresh_client(seeded_db) as client:
+        sign_in(client, seeded.operator_token)
+        listing = client.get("/console/jobs?state=SUCCEEDED").text
+        job_id = int(re.search(r'data-job-id="(\d+)"', listing).group(1))  # type: ignore[union-attr]
+        token = form_token(client, "/console/jobs")
+        response = client.post(f"/console/jobs/{job_id}/cancel", data={"form_token": token})
+        assert response.status_code == 409
+        assert "cannot go from SUCCEEDED to CANCELLED" in response.text
+
+
+def test_sign_out_clears_the_cookie(seeded_db: SeededDb) -> None:
+    with fresh_client(seeded_db) as client:
+        sign_in(client, seeded_db.seeded.operator_token)
+        token = form_token(client, "/console")
+        response = client.post(
+            "/console/logout", data={"form_token": token}, follow_redirects=False
+        )
+        assert response.status_code == 303
+        assert response.headers["location"] == "/console/login"
+        assert f'{COOKIE_NAME}=""' in response.headers["set-cookie"]
+        assert "Max-Age=0" in response.headers["set-cookie"]
+        assert client.get("/console", follow_redirects=False).status_code == 303
+
+
+def test_missing_assets_are_reported_not_fatal(seeded_db: SeededDb, tmp_path: Path) -> None:
+    static = tmp_path / "static"
+    static.mkdir()
+    for name in ("console.css", "console.js"):
+        shutil.copy(STATIC_DIR / name, static / name)
+    with fresh_client(seeded_db, static_dir=static) as client:
+        login = client.get("/console/login")
+        assert login.status_code == 200
+        assert "front-end libraries are not installed" in login.text
+        assert "scripts/install_console_assets.sh" in login.text
+        sign_in(client, seeded_db.seeded.operator_token)
+        for path in (
+            "/console",
+            "/console/carbon",
+            f"/console/jobs/{seeded_db.seeded.running_job_id}",
+        ):
+            page = client.get(path)
+            assert page.status_code == 200, path
+            assert "vendor/htmx.min.js" not in page.text
+            assert "Charts need uPlot, which is not installed" in page.text
+
+
+def test_filters_and_sorting(app_client: TestClient, seeded_db: SeededDb) -> None:
+    sign_in(app_client, seeded_db.seeded.operator_token)
+    running = app_client.get("/console/jobs?state=RUNNING&sort=name&dir=asc").text
+    names = re.findall(r'<a href="/console/jobs/\d+">([a-z0-9-]+)</a>', running)
+    assert names == ["bert-finetune", "resnet50-sweep"]
+    by_queue = app_client.get("/console/jobs?queue=research&sort=id&dir=asc").text
+    assert re.findall(r'data-job-id="(\d+)"', by_queue) == ["1", "3"]
+    odd = app_client.get("/console/jobs?state=NOPE&sort=bogus")
+    assert odd.status_code == 200
+    assert "unknown state" in odd.text and "cannot sort by" in odd.text
+
+
+def test_period_bounds() -> None:
+    at = datetime(2026, 2, 18, 15, 30, tzinfo=UTC)  # a Wednesday
+    assert period_bounds("day", at) == (
+        datetime(2026, 2, 18, tzinfo=UTC),
+        datetime(2026, 2, 19, tzinfo=UTC),
+    )
+    assert period_bounds("week", at) == (
+        datetime(2026, 2, 16, tzinfo=UTC),
+        datetime(2026, 2, 23, tzinfo=UTC),
+    )
+    assert period_bounds("month", datetime(2026, 12, 31, 23, 59, tzinfo=UTC)) == (
+        datetime(2026, 12, 1, tzinfo=UTC),
+        datetime(2027, 1, 1, tzinfo=UTC),
+    )
+
+
+def test_gpus_in_use_takes_each_jobs_peak_per_slot() -> None:
+    t0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    rows = [
+        GpuUseRow(t0 + timedelta(seconds=10), 1, 2),
+        GpuUseRow(t0 + timedelta(seconds=200), 1, 4),
+        GpuUseRow(t0 + timedelta(seconds=250), 2, 1),
+        GpuUseRow(t0 + timedelta(seconds=700), 2, 3),
+    ]
+    series = gpus_in_use_series(rows, since=t0, until=t0 + timedelta(seconds=900), bucket_s=300)
+    assert series == [
+        (t0, 5),
+        (t0 + timedelta(seconds=300), 0),
+        (t0 + timedelta(seconds=600), 3),
+        (t0 + timedelta(seconds=900), 0),
+    ]
+
+
+def test_numbers_carry_units_and_times_carry_utc() -> None:
+    assert fmt_kg(0.25) == "250 g CO₂e"
+    assert fmt_kg(12.345) == "12.35 kg CO₂e"
+    assert fmt_kwh(0.5) == "500 Wh"
+    assert fmt_duration_s(5400) == "1.5 h"
+    html = str(fmt_time(datetime(2026, 3, 1, 9, 5, tzinfo=UTC)))
+    assert 'datetime="2026-03-01T09:05:00+00:00"' in html
+    assert 'title="2026-03-01 09:05:00 UTC"' in html
