@@ -282,6 +282,7 @@ class ManagedJob:
         if self.runner is None or self.state != "running":
             return None
         now = time.monotonic()
+        at = datetime.now(UTC)  # read together with `now` so `at` differences match intervals
         interval_s = now - self._sample_at
         if interval_s < MIN_SAMPLE_INTERVAL_S and not finished:
             return None
@@ -304,7 +305,7 @@ class ManagedJob:
             sample_id=uuid.uuid4().hex,
             job_id=self.job_id,
             generation=self.generation,
-            at=datetime.now(UTC),
+            at=at,
             interval_s=min(interval_s, 86_400.0),
             step=progress.step,
             samples_done=self.samples_done(progress.step),

@@ -1,0 +1,310 @@
+"""The agent as a real process (`python -m worker_agent.cli`) against a real local HTTP fake of
+the scheduler's agent endpoints; allocations drive real worker processes (gloo, CPU slots).
+
+The tests share one agent (starting worker processes is the expensive part) and run in order:
+each builds on the job state the previous one left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.agent.fake_scheduler import FakeScheduler, fake_scheduler
+from worker_agent.protocol import AGENT_SECRET_HEADER, AgentStatus, RunningJob
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+REPO = Path(__file__).resolve().parents[2]
+POWER_W = {1: 200.0, 2: 380.0, 3: 550.0}
+LONG_JOB = {"workload": "mlp", "global_batch_size": 16, "total_samples": 16 * 10_000_000}
+
+
+class Node:
+    """The agent process under test and a client that carries its secret."""
+
+    def __init__(self, fake: FakeScheduler, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.fake = fake
+        self.proc = proc
+        self.log = log
+        reg = fake.registrations[0]
+        self.url = reg.agent_url
+        self.secret = reg.agent_secret
+        self.http = httpx.Client(
+            base_url=self.url, headers={AGENT_SECRET_HEADER: self.secret}, timeout=120
+        )
+        self.acks: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def allocate(
+        self, job_id: int, generation: int, slots: list[int], spec: dict[str, Any] | None = None
+    ) -> httpx.Response:
+        body = {
+            "job_id": job_id,
+            "generation": generation,
+            "slot_indices": slots,
+            "spec": spec or LONG_JOB,
+            "estimated_power_w": POWER_W,
+            "issued_at": datetime.now(UTC).isoformat(),
+        }
+        resp = self.http.post(f"/jobs/{job_id}/allocation", json=body)
+        if resp.status_code == 200:
+            self.acks[(job_id, generation)] = resp.json()
+        return resp
+
+    def job(self, job_id: int) -> RunningJob:
+        status = AgentStatus.model_validate(self.http.get("/status").raise_for_status().json())
+        return next(j for j in status.jobs if j.job_id == job_id)
+
+    def wait_step_above(self, job_id: int, step: int, timeout_s: float = 60) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = self.job(job_id).step
+            if now > step:
+                return now
+            time.sleep(0.1)
+        raise AssertionError(f"job {job_id} did not pass step {step}")
+
+
+def alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], f"processes still alive: {pids}"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    log = tmp_path_factory.mktemp("agent") / "agent.log"
+    with (
+        fake_scheduler(heartbeat_interval_s=0.5, telemetry_interval_s=0.5) as fake,
+        log.open("wb") as out,
+    ):
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker_agent.cli",
+                "--scheduler",
+                fake.url,
+                "--token",
+                fake.token,
+                "--simulate-gpus",
+                "3",
+                "--name",
+                "test-node",
+                "--port",
+                "0",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            fake.wait_for(lambda: len(fake.registrations) > 0, timeout_s=60)
+            yield Node(fake, proc, log)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def test_registers_with_secret_and_reachable_url(node: Node) -> None:
+    reg = node.fake.registrations[0]
+    assert reg.name == "test-node"
+    assert reg.simulated and reg.gpu_kind == "simulated"
+    assert [s.index for s in reg.slots] == [0, 1, 2]
+    assert len(reg.agent_secret) >= 16
+    assert reg.agent_url.startswith("http://127.0.0.1:") and not reg.agent_url.endswith(":0")
+    assert httpx.get(f"{reg.agent_url}/healthz").status_code == 200
+    node.fake.wait_for(lambda: len(node.fake.heartbeats) > 0, timeout_s=30)
+    assert node.fake.unauthorized == 0
+
+
+def test_every_call_but_healthz_needs_the_secret(node: Node) -> None:
+    assert httpx.get(f"{node.url}/status").status_code == 401
+    wrong = {AGENT_SECRET_HEADER: "x" * 43}
+    assert httpx.get(f"{node.url}/status", headers=wrong).status_code == 401
+    body = {"job_id": 1, "generation": 1, "reason": "test"}
+    assert httpx.post(f"{node.url}/jobs/1/stop", json=body, headers=wrong).status_code == 401
+    assert node.http.get("/status").status_code == 200
+
+
+def test_allocation_starts_job_and_telemetry_is_estimated(node: Node) -> None:
+    resp = node.allocate(1, 1, [0])
+    assert resp.status_code == 200, resp.text
+    ack = resp.json()
+    assert ack["gpus"] == 1 and ack["layout"] == "dp1-tp1-pp1" and not ack["hot_switch"]
+    assert all(alive(p) for p in ack["worker_pids"])
+    node.wait_step_above(1, 3)
+    node.fake.wait_for(lambda: any(s.step > 0 for s in node.fake.job_samples(1)))
+    sample = next(s for s in node.fake.job_samples(1) if s.step > 0)
+    assert sample.power_source == "estimated"
+    assert sample.gpus == 1 and sample.layout == "dp1-tp1-pp1" and sample.generation == 1
+    assert 0 < sample.power_w <= POWER_W[1]
+    assert sample.energy_kwh == pytest.approx(sample.power_w * sample.interval_s / 3.6e6)
+    assert sample.samples_done == sample.step * 16
+    assert sample.loss is not None
+    node.fake.wait_for(lambda: any(hb.jobs for hb in node.fake.heartbeats))
+
+
+def test_resize_hot_switches_and_keeps_worker_of_kept_slot(node: Node) -> None:
+    before = node.job(1)
+    pid_slot0 = dict(zip(before.slot_indices, before.worker_pids, strict=True))[0]
+    resp = node.allocate(1, 2, [0, 1])
+    assert resp.status_code == 200, resp.text
+    ack = resp.json()
+    assert ack["hot_switch"] and ack["gpus"] == 2
+    assert ack["switch_s"] > 0 and ack["bytes_moved"] > 0
+    assert ack["step"] >= before.step
+    after = node.job(1)
+    assert dict(zip(after.slot_indices, after.worker_pids, strict=True))[0] == pid_slot0
+    assert sorted(after.slot_indices) == [0, 1]
+    node.wait_step_above(1, ack["step"])
+    # Telemetry after the switch is labelled with the new allocation and never goes back.
+    node.fake.wait_for(lambda: any(s.generation == 2 for s in node.fake.job_samples(1)))
+    new = [s for s in node.fake.job_samples(1) if s.generation == 2]
+    assert all(s.gpus == 2 and s.step >= ack["step"] for s in new)
+    steps = [s.step for s in node.fake.job_samples(1)]
+    assert steps == sorted(steps)
+
+
+def test_stale_generation_is_rejected_and_repeat_returns_same_ack(node: Node) -> None:
+    stale = node.allocate(1, 1, [0])
+    assert stale.status_code == 409
+    assert "generation 1" in stale.json()["detail"] and "generation 2" in stale.json()["detail"]
+    first = node.acks[(1, 2)]
+    again = node.allocate(1, 2, [0, 1])
+    assert again.status_code == 200 and again.json() == first
+    assert sorted(node.job(1).slot_indices) == [0, 1]
+
+
+def test_telemetry_is_resent_after_scheduler_outage(node: Node) -> None:
+    fake = node.fake
+    with fake.lock:
+        posts = fake.telemetry_posts
+        fake.fail_telemetry = 3
+    fake.wait_for(lambda: fake.telemetry_posts >= posts + 5, timeout_s=60)
+    fake.wait_for(lambda: fake.fail_telemetry == 0)
+    time.sleep(1.5)  # one more interval: the backlog arrives
+    samples = [s for s in fake.job_samples(1) if s.generation == 2]
+    assert len(samples) >= 4
+    # Consecutive samples tile time: each one's interval ends where the previous ended.
+    for prev, cur in itertools.pairwise(samples):
+        gap_s = (cur.at - prev.at).total_seconds()
+        assert gap_s == pytest.approx(cur.interval_s, abs=0.25), (prev, cur)
+
+
+def test_pause_keeps_state_in_memory_and_resume_continues(node: Node) -> None:
+    pids = node.job(1).worker_pids
+    resp = node.allocate(1, 3, [])
+    assert resp.status_code == 200, resp.text
+    ack = resp.json()
+    assert ack["gpus"] == 0 and ack["worker_pids"] == [] and ack["layout"] is None
+    wait_gone(pids)
+    paused_step = ack["step"]
+    assert paused_step > 0
+    time.sleep(1.0)
+    job = node.job(1)
+    assert job.step == paused_step and job.gpus == 0
+    resp = node.allocate(1, 4, [2])
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["step"] == paused_step and resp.json()["gpus"] == 1
+    node.wait_step_above(1, paused_step)
+    node.fake.wait_for(lambda: any(s.generation == 4 for s in node.fake.job_samples(1)))
+    assert all(s.step >= paused_step for s in node.fake.job_samples(1) if s.generation == 4)
+
+
+def test_slot_held_by_another_job_is_refused(node: Node) -> None:
+    resp = node.allocate(2, 1, [2], {**LONG_JOB, "total_samples": 160})
+    assert resp.status_code == 409
+    assert "slot 2 by job 1" in resp.json()["detail"]
+
+
+def test_stop_frees_slots(node: Node) -> None:
+    pids = node.job(1).worker_pids
+    resp = node.http.post("/jobs/1/stop", json={"job_id": 1, "generation": 5, "reason": "test"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["gpus"] == 0
+    wait_gone(pids)
+    again = node.http.post("/jobs/1/stop", json={"job_id": 1, "generation": 5})
+    assert again.status_code == 200
+    assert node.allocate(1, 6, [0]).status_code == 409  # stopped for good
+
+
+def test_job_finishing_by_itself_reports_finished(node: Node) -> None:
+    spec = {"workload": "gpt-tiny", "global_batch_size": 8, "total_samples": 8 * 20}
+    resp = node.allocate(2, 1, [2, 1], spec)  # the slots job 1 freed
+    assert resp.status_code == 200, resp.text
+    pids = resp.json()["worker_pids"]
+    node.fake.wait_for(lambda: any(s.finished for s in node.fake.job_samples(2)), timeout_s=90)
+    final = next(s for s in node.fake.job_samples(2) if s.finished)
+    assert final.step == 20 and final.samples_done == 160
+    assert node.fake.job_samples(2)[-1].finished
+    wait_gone(pids)
+    job = node.job(2)
+    assert job.finished and job.gpus == 0 and job.worker_pids == []
+
+
+def test_heartbeat_404_makes_agent_register_again(node: Node) -> None:
+    fake = node.fake
+    count = len(fake.registrations)
+    with fake.lock:
+        fake.forget_node = True
+    fake.wait_for(lambda: len(fake.registrations) > count, timeout_s=30)
+    assert fake.registrations[-1].agent_secret == node.secret
+
+
+def test_sigterm_stops_workers_and_exits_zero(node: Node) -> None:
+    resp = node.allocate(3, 1, [0, 1])
+    assert resp.status_code == 200, resp.text
+    workers = resp.json()["worker_pids"]
+    below = descendants(node.proc.pid)
+    assert set(workers) <= below
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(timeout=60) == 0, node.log.read_text()[-3000:]
+    wait_gone(sorted(below))
