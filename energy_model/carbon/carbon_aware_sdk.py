@@ -7,7 +7,6 @@ from typing import Any
 
 from energy_model.carbon.base import Clock, HttpProvider, HttpSettings, parse_utc, utc_now
 from energy_model.carbon.errors import (
-    CarbonProviderError,
     ProviderConfigError,
     ProviderNoData,
     ProviderRequestError,
@@ -101,8 +100,6 @@ class CarbonAwareSdkProvider(HttpProvider):
             current: ForecastPoint | None = await self.current()
         except (ProviderNoData, ProviderRequestError):
             current = None  # the forecast's first point then stands for now
-        except CarbonProviderError:
-            raise
         points = future if current is None else [current, *(p for p in future if p.at > current.at)]
         if not points:
             raise ProviderNoData(self.name, f"empty forecast for {self.region}")

@@ -9,7 +9,6 @@ import numpy as np
 
 from energy_model.carbon.base import Clock, HttpProvider, HttpSettings, parse_utc, utc_now
 from energy_model.carbon.errors import (
-    CarbonProviderError,
     ProviderAuthError,
     ProviderConfigError,
     ProviderNoData,
@@ -119,9 +118,7 @@ class ElectricityMapsProvider(HttpProvider):
         except (ProviderAuthError, ProviderNoData) as exc:
             # Plans without forecast access: forecast locally from the last 24 h.
             future = await self._local_forecast(current, horizon_s)
-            source = f"{self.name} (no forecast access: {exc.status_code}; local seasonal naive)"
-        except CarbonProviderError:
-            raise
+            source = f"{self.name} (no forecast access: {exc.status_code}; local forecast from 24 h history)"
         points = [p for p in future if p.at > current.at]
         return CarbonForecast(
             region=self.region,
