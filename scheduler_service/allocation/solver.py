@@ -16,7 +16,8 @@ completion time, then carbon (at the problem's price) and GPU-count changes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from scheduler_service.allocation.problem import (
 )
 
 # Above this many binaries the exact MIP is skipped: LP + rounding is used alone.
-EXACT_MAX_BINARIES = 4000
+EXACT_MAX_BINARIES = 1500
 
 
 class SolverError(RuntimeError):
@@ -252,12 +253,17 @@ def round_lp(
     lp: LpResult | None,
     prefer: dict[str, int] | None = None,
     mode: str = "ceil",
+    prefix: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Integer plan that tracks the LP's cumulative targets slot by slot (see module doc).
 
     mode "ceil" takes the slowest count that keeps the LP's pace, "nearest" the count whose
     throughput is closest to it; neither wins everywhere, so `solve` tries both.
+    `prefix` fixes the counts of the first slots.
     """
+    prefix_idx = None
+    if prefix is not None:
+        prefix_idx = np.array([[j.index_of(g) for g in prefix[j.job_id]] for j in problem.jobs])
     num_jobs, num_slots = arrays.num_jobs, problem.num_slots
     state = _SlotState(problem, arrays)
     done = np.zeros(num_jobs)  # samples done so far in the plan
@@ -328,16 +334,11 @@ def round_lp(
         budget = state.slot_budget_kg(t, reserve)
         if reserve is not None and budget <= 0:
             budget = state.slot_budget_kg(t)
-        choice = fit_slot(
-            state,
-            t,
-            choice,
-            active,
-            loss_weight,
-            gain_weight,
-            budget,
-            fill=problem.carbon_price_s_per_kg == 0 or lp is None,
-        )
+        fill = problem.carbon_price_s_per_kg == 0 or lp is None
+        if prefix_idx is not None and t < prefix_idx.shape[1]:
+            choice = np.where(active, prefix_idx[:, t], -1)
+            fill = False
+        choice = fit_slot(state, t, choice, active, loss_weight, gain_weight, budget, fill=fill)
         plan[:, t] = choice
         on = choice >= 0
         rate = np.where(on, arrays.throughput[np.arange(num_jobs), np.maximum(choice, 0)], 0.0)
@@ -349,6 +350,61 @@ def round_lp(
     for i, job in enumerate(problem.jobs):
         out[job.job_id] = tuple(0 if k < 0 else job.allowed_gpus[k] for k in plan[i])
     return out
+
+
+def repair_deadlines(
+    problem: AllocationProblem,
+    gpus: dict[str, tuple[int, ...]],
+    savable: set[str],
+    deadline_s: float,
+) -> dict[str, tuple[int, ...]]:
+    """Give GPUs to savable jobs that miss their deadline, taking them from jobs that can spare
+    them, as long as no met deadline breaks; stops at `deadline_s` (perf_counter time)."""
+    plan = {k: list(v) for k, v in gpus.items()}
+    base = evaluate_gpus(problem, gpus)
+    met = {k for k, ok in base.deadline_met.items() if ok}
+    best_objective = base.objective
+    jobs = {j.job_id: j for j in problem.jobs}
+    order = sorted(
+        (j for j in problem.jobs if j.job_id in savable and j.job_id not in met),
+        key=lambda j: j.deadline_s or 0.0,
+    )
+    for job in order:
+        assert job.deadline_s is not None
+        last = min(problem.num_slots, int(np.ceil(job.deadline_s / problem.slot_s)))
+        for t in range(last):
+            if time.perf_counter() > deadline_s:
+                return {k: tuple(v) for k, v in plan.items()}
+            for g in job.allowed_gpus:
+                if g <= plan[job.job_id][t]:
+                    continue
+                trial = {k: list(v) for k, v in plan.items()}
+                trial[job.job_id][t] = g
+                free = problem.capacity_gpus[t] - sum(v[t] for v in trial.values())
+                # Take GPUs from the jobs least hurt: no deadline first, then latest deadline.
+                donors = sorted(
+                    (k for k in trial if k != job.job_id and trial[k][t] > 0),
+                    key=lambda k: (jobs[k].deadline_s is not None, -(jobs[k].deadline_s or 0.0)),
+                )
+                for donor in donors:
+                    if free >= 0:
+                        break
+                    free += trial[donor][t]
+                    trial[donor][t] = 0
+                if free < 0:
+                    continue
+                frozen = {k: tuple(v) for k, v in trial.items()}
+                ev = evaluate_gpus(problem, frozen)
+                if not (ev.capacity_ok and ev.budget_ok):
+                    continue
+                if all(ev.deadline_met[k] for k in met) and ev.objective < best_objective:
+                    plan, best_objective = trial, ev.objective
+                    if ev.deadline_met[job.job_id]:
+                        met.add(job.job_id)
+                    break
+            if job.job_id in met:
+                break
+    return {k: tuple(v) for k, v in plan.items()}
 
 
 def lp_deadline_met(problem: AllocationProblem, lp: LpResult) -> np.ndarray:
@@ -420,8 +476,29 @@ def solve(
     )
     if warm is not None:
         candidates.append((trim_after_finish(problem, warm), "heuristic"))
+    near = _near_deadline_mip(problem, arrays, lp, prefer, started + time_limit_s * 0.5, seed)
+    if near is not None:
+        candidates.append((near, "heuristic"))
     feasible = [(g, s) for g, s in candidates if _feasible(problem, g)]
     best = min(feasible, key=lambda c: evaluate_gpus(problem, c[0]).objective) if feasible else None
+    savable = {
+        j.job_id for j, ok in zip(problem.jobs, lp_deadline_met(problem, lp), strict=True) if ok
+    }
+    if best is not None and any(
+        not best_ev_ok
+        for k, best_ev_ok in evaluate_gpus(problem, best[0]).deadline_met.items()
+        if k in savable
+    ):
+        repaired = trim_after_finish(
+            problem,
+            repair_deadlines(problem, best[0], savable, started + time_limit_s * 0.5),
+        )
+        if (
+            _feasible(problem, repaired)
+            and evaluate_gpus(problem, repaired).objective
+            < evaluate_gpus(problem, best[0]).objective
+        ):
+            best = (repaired, "heuristic")
     bound = lp.bound
     status = "heuristic"
     binaries = int(arrays.valid.sum()) * problem.num_slots * 2
@@ -457,6 +534,43 @@ def solve(
     )
 
 
+def _near_deadline_mip(
+    problem: AllocationProblem,
+    arrays: PlanArrays,
+    lp: LpResult,
+    prefer: dict[str, int] | None,
+    until: float,
+    seed: int,
+) -> dict[str, tuple[int, ...]] | None:
+    """Exact MIP over the slots up to the last deadline inside the horizon, LP rounding after.
+
+    Deadlines in the trace are mostly a few slots away, where rounding errors cost most; a MIP
+    over just those slots stays small however long the horizon is.
+    """
+    deadlines = [
+        j.deadline_s
+        for j in problem.jobs
+        if j.deadline_s is not None and 0 < j.deadline_s < problem.horizon_s
+    ]
+    if not deadlines:
+        return None
+    slots = int(np.ceil(max(deadlines) / problem.slot_s))
+    if slots >= problem.num_slots or int(arrays.valid.sum()) * slots * 2 > EXACT_MAX_BINARIES * 4:
+        return None
+    sub = replace(
+        problem,
+        capacity_gpus=problem.capacity_gpus[:slots],
+        intensity_g_per_kwh=problem.intensity_g_per_kwh[:slots],
+    )
+    left_s = until - time.perf_counter()
+    if left_s <= 0:
+        return None
+    head, _, _ = solve_mip(sub, PlanArrays(sub), None, left_s, seed)
+    if head is None:
+        return None
+    return trim_after_finish(problem, round_lp(problem, arrays, lp, prefer, "ceil", prefix=head))
+
+
 def _feasible(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> bool:
     ev = evaluate_gpus(problem, gpus)
     return ev.capacity_ok and ev.allowed_ok and ev.budget_ok
@@ -478,9 +592,15 @@ def admit(
     *,
     time_limit_s: float = 2.0,
     seed: int = 0,
+    policy: Callable[..., AllocationPlan] | None = None,
 ) -> AdmissionDecision:
-    """Admit `new_job` if some plan meets its deadline without breaking admitted deadlines."""
-    base = solve(problem, time_limit_s=time_limit_s / 2, seed=seed) if problem.jobs else None
+    """Admit `new_job` if the policy's plan meets its deadline without breaking admitted ones."""
+    plan_with = solve if policy is None else policy
+    base = (
+        plan_with(problem, previous=None, time_limit_s=time_limit_s / 2, seed=seed)
+        if problem.jobs
+        else None
+    )
     met_before = {k for k, v in base.deadline_met.items() if v} if base else set()
     trial = AllocationProblem(
         start_at=problem.start_at,
@@ -494,7 +614,7 @@ def admit(
         carbon_price_s_per_kg=problem.carbon_price_s_per_kg,
         change_cost_s=problem.change_cost_s,
     )
-    plan = solve(trial, time_limit_s=time_limit_s / 2, seed=seed)
+    plan = plan_with(trial, previous=None, time_limit_s=time_limit_s / 2, seed=seed)
     if new_job.deadline_s is None:
         return AdmissionDecision(True, False, "no deadline", plan)
     broken = sorted(k for k in met_before if not plan.deadline_met.get(k, False))

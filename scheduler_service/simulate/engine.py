@@ -1,0 +1,507 @@
+"""Trace replay: every slot build the tick's AllocationProblem, call a policy, apply slot one.
+
+Semantics (ElasticFlow-compatible with an unlimited budget): jobs arrive at their submission
+time and are considered at the next slot boundary; a job with a deadline meets it only if it was
+admitted and finished by it; throughput comes from measured scaling profiles. Trace time 0 is the
+first timestamp of the carbon series, which wraps around when the trace is longer. Energy is
+charged exactly against the real (trace) intensity step series; the solver sees a forecast that
+may carry error, and job models that may carry error.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+import numpy as np
+
+from energy_model.carbon.series import IntensitySeries
+from energy_model.emissions import energy_kwh, facility_energy_kwh, interval_emissions_kg
+from energy_model.profiles import ScalingProfile
+from scheduler_service.allocation.policies import ADMISSION_CONTROL, get_policy
+from scheduler_service.allocation.problem import (
+    AllocationPlan,
+    AllocationProblem,
+    BudgetMode,
+    BudgetPeriod,
+    JobSpec,
+)
+from scheduler_service.allocation.solver import admit
+from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
+
+PERIOD_S = {"day": 86_400.0, "week": 7 * 86_400.0}
+
+
+class SimulationError(ValueError):
+    """The simulation's inputs cannot be replayed (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """Knobs of one replay."""
+
+    policy: str
+    num_nodes: int
+    gpus_per_node: int
+    slot_s: float = 900.0
+    horizon_slots: int = 48
+    budget_kg: float | None = None  # whole run; None = unlimited
+    budget_period: Literal["day", "week", "run"] = "run"
+    carbon_price_s_per_kg: float = 0.0
+    pue: float = 1.0
+    switch_s: float = 30.0  # progress lost per GPU-count change (hot switch)
+    forecast_error: float = 0.0  # relative std of the multiplicative forecast noise
+    model_error: float = 0.0  # relative std of the per-job throughput/power misestimate
+    time_limit_s: float = 2.0
+    seed: int = 0
+    max_ticks: int = 200_000
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.gpus_per_node < 1:
+            raise SimulationError("cluster needs at least one node with one GPU")
+        if self.slot_s <= 0 or self.horizon_slots < 1:
+            raise SimulationError("slot_s must be > 0 and horizon_slots >= 1")
+        if self.budget_kg is not None and self.budget_kg < 0:
+            raise SimulationError("budget_kg must be >= 0")
+        if self.switch_s < 0 or self.switch_s >= self.slot_s:
+            raise SimulationError("switch_s must be >= 0 and shorter than a slot")
+        if self.forecast_error < 0 or self.model_error < 0:
+            raise SimulationError("forecast_error and model_error must be >= 0")
+        get_policy(self.policy)
+
+    @property
+    def capacity_gpus(self) -> int:
+        """GPUs in the cluster."""
+        return self.num_nodes * self.gpus_per_node
+
+
+@dataclass
+class _JobState:
+    trace: TraceJob
+    tables: JobTables
+    seen: JobTables  # what the policy believes (model error applied)
+    remaining_samples: float
+    current_gpus: int = 0
+    admitted: bool = True
+    guaranteed: bool = True
+    started: bool = False
+    finish_s: float | None = None
+    changes: int = 0
+    energy_kwh: float = 0.0
+    emissions_kg: float = 0.0
+    reject_reason: str = ""
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What happened to one trace job."""
+
+    job_id: str
+    admitted: bool
+    finish_s: float | None
+    jct_s: float | None
+    deadline_met: bool | None  # None: no deadline
+    gpu_changes: int
+    energy_kwh: float
+    emissions_kg: float
+    reject_reason: str = ""
+
+
+@dataclass(frozen=True)
+class SimulationReport:
+    """The replay's figures (see docs/allocation.md for each definition)."""
+
+    policy: str
+    jobs: int
+    admitted: int
+    finished: int
+    deadline_jobs: int
+    deadline_met_ratio: float
+    avg_jct_s: float | None
+    p95_jct_s: float | None
+    energy_kwh: float
+    emissions_kg: float
+    budget_kg: float | None
+    budget_violations: int
+    budget_overshoot_kg: float
+    gpu_utilisation: float
+    gpu_changes: int
+    ticks: int
+    solver_s_mean: float
+    solver_s_p95: float
+    solver_s_max: float
+    makespan_s: float
+    outcomes: list[JobOutcome] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, float | int | str | None]:
+        """The report without the per-job outcomes (JSON-ready)."""
+        return {k: v for k, v in self.__dict__.items() if k != "outcomes"}
+
+
+class CarbonClock:
+    """Maps trace seconds onto the (wrapping) intensity series; charges intervals exactly."""
+
+    def __init__(self, series: IntensitySeries, pue: float) -> None:
+        self.series = series
+        self.pue = pue
+        self.origin = series.times[0]
+        steps = [
+            (b - a).total_seconds() for a, b in zip(series.times, series.times[1:], strict=False)
+        ]
+        last_step = steps[-1] if steps else 3600.0
+        self.span_s = (series.times[-1] - self.origin).total_seconds() + last_step
+        self._cache: dict[tuple[float, float], float] = {}
+
+    def kg_per_w(self, start_s: float, end_s: float) -> float:
+        """kg CO2e per W drawn over trace interval [start_s, end_s) (PUE included)."""
+        key = (start_s, end_s)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        total = 0.0
+        cursor = start_s
+        while cursor < end_s - 1e-9:
+            wrapped = cursor % self.span_s
+            piece = min(end_s - cursor, self.span_s - wrapped)
+            begin = self.origin + timedelta(seconds=wrapped)
+            total += interval_emissions_kg(
+                1.0, begin, begin + timedelta(seconds=piece), self.series, self.pue
+            )
+            cursor += piece
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[key] = total
+        return total
+
+    def mean_intensity(self, start_s: float, end_s: float) -> float:
+        """Average g/kWh over [start_s, end_s) (without PUE)."""
+        hours = (end_s - start_s) / 3600.0
+        return self.kg_per_w(start_s, end_s) / self.pue * 1000.0 * 1000.0 / hours
+
+
+def simulate_trace(
+    jobs: list[TraceJob],
+    series: IntensitySeries,
+    profiles: dict[str, ScalingProfile],
+    config: SimulationConfig,
+    progress: Callable[[float], None] | None = None,
+) -> SimulationReport:
+    """Replay `jobs` under `config.policy`; `progress` gets the fraction of the trace replayed."""
+    if not jobs:
+        raise SimulationError("the trace has no jobs")
+    policy = get_policy(config.policy)
+    rng = np.random.default_rng(config.seed)
+    clock = CarbonClock(series, config.pue)
+    capacity = config.capacity_gpus
+    slot_s = config.slot_s
+    start_s = jobs[0].submission_s
+    last_s = max(
+        max(j.submission_s, j.deadline_s or 0.0, j.submission_s + j.duration_s) for j in jobs
+    )
+    run_span_s = max(last_s - start_s, slot_s)
+    periods = _budget_periods(config, start_s, run_span_s)
+    spent_kg = [0.0] * len(periods)
+
+    states: dict[str, _JobState] = {}
+    pending = list(jobs)
+    next_arrival = 0
+    active: list[str] = []
+    previous: AllocationPlan | None = None
+    solver_times: list[float] = []
+    busy_gpu_s = 0.0
+    now = start_s
+    ticks = 0
+    last_activity_s = start_s
+    while ticks < config.max_ticks:
+        # Arrivals up to now join at this boundary.
+        while next_arrival < len(pending) and pending[next_arrival].submission_s <= now + 1e-9:
+            job = pending[next_arrival]
+            next_arrival += 1
+            state = _new_state(job, profiles, capacity, config, rng)
+            states[job.job_id] = state
+            if job.deadline_s is not None and config.policy in ADMISSION_CONTROL:
+                decision = admit(
+                    _problem(config, clock, states, active, now, periods, spent_kg),
+                    _spec(state, now),
+                    time_limit_s=config.time_limit_s,
+                    seed=config.seed,
+                    policy=policy,
+                )
+                state.admitted = decision.admitted
+                state.guaranteed = decision.guaranteed
+                if not decision.admitted:
+                    state.reject_reason = decision.reason
+                    continue
+            active.append(job.job_id)
+        if not active:
+            if next_arrival >= len(pending):
+                break
+            # Fast-forward to the next arrival.
+            now = max(now, pending[next_arrival].submission_s)
+            previous = None
+            continue
+        problem = _problem(config, clock, states, active, now, periods, spent_kg)
+        began = time.perf_counter()
+        plan = policy(
+            problem, previous=previous, time_limit_s=config.time_limit_s, seed=config.seed
+        )
+        solver_times.append(time.perf_counter() - began)
+        previous = plan
+        ticks += 1
+        # Event-driven like ElasticFlow's simulator: apply slot one until the slot ends, a job
+        # arrives or a job finishes, whichever comes first, then re-plan.
+        moves: dict[str, tuple[int, float]] = {}
+        step_s = slot_s
+        if next_arrival < len(pending):
+            step_s = min(step_s, max(pending[next_arrival].submission_s - now, 1.0))
+        for job_id in active:
+            state = states[job_id]
+            gpus = plan.gpus[job_id][0]
+            switch = 0.0
+            if gpus != state.current_gpus and gpus > 0 and state.started:
+                switch = config.switch_s
+            moves[job_id] = (gpus, switch)
+            if gpus > 0:
+                rate = state.tables.throughput_samples_per_s[state.tables.allowed_gpus.index(gpus)]
+                step_s = min(step_s, switch + state.remaining_samples / rate)
+        step_s = max(step_s, 1e-3)
+        for job_id in list(active):
+            state = states[job_id]
+            gpus, switch = moves[job_id]
+            if switch > 0:
+                state.changes += 1
+            state.current_gpus = gpus
+            if gpus == 0:
+                continue
+            state.started = True
+            k = state.tables.allowed_gpus.index(gpus)
+            rate = state.tables.throughput_samples_per_s[k]
+            power_w = state.tables.power_w[k]
+            need_s = switch + state.remaining_samples / rate
+            run_s = min(step_s, need_s)
+            if need_s <= step_s + 1e-6:
+                state.remaining_samples = 0.0
+                state.finish_s = now + need_s
+                active.remove(job_id)
+            else:
+                state.remaining_samples -= rate * max(0.0, step_s - switch)
+            # GPUs draw power during the switch too (memory traffic, not idle).
+            kg = power_w * clock.kg_per_w(now, now + run_s)
+            state.energy_kwh += facility_energy_kwh(energy_kwh(power_w, run_s), config.pue)
+            state.emissions_kg += kg
+            busy_gpu_s += gpus * run_s
+            last_activity_s = max(last_activity_s, now + run_s)
+            _charge(periods, spent_kg, now, run_s, kg)
+        now += step_s
+        if progress is not None:
+            progress(min(1.0, (now - start_s) / run_span_s))
+    if progress is not None:
+        progress(1.0)
+    return _report(
+        config,
+        jobs,
+        states,
+        periods,
+        spent_kg,
+        solver_times,
+        busy_gpu_s,
+        start_s,
+        last_activity_s,
+        ticks,
+    )
+
+
+def _budget_periods(
+    config: SimulationConfig, start_s: float, span_s: float
+) -> list[tuple[float, float, float]]:
+    """(start_s, end_s, budget_kg) per period in trace seconds; empty when unlimited."""
+    if config.budget_kg is None:
+        return []
+    if config.budget_period == "run":
+        return [(start_s, math.inf, config.budget_kg)]
+    length = PERIOD_S[config.budget_period]
+    count = max(1, math.ceil(span_s / length))
+    share = config.budget_kg / count
+    out = [(start_s + i * length, start_s + (i + 1) * length, share) for i in range(count)]
+    # Jobs that overrun the trace's span fall in the last period.
+    last = out[-1]
+    out[-1] = (last[0], math.inf, last[2])
+    return out
+
+
+def _charge(
+    periods: list[tuple[float, float, float]],
+    spent: list[float],
+    at_s: float,
+    run_s: float,
+    kg: float,
+) -> None:
+    for i, (begin, end, _) in enumerate(periods):
+        overlap = min(end, at_s + run_s) - max(begin, at_s)
+        if overlap > 0 and run_s > 0:
+            spent[i] += kg * overlap / run_s
+
+
+def _new_state(
+    job: TraceJob,
+    profiles: dict[str, ScalingProfile],
+    capacity: int,
+    config: SimulationConfig,
+    rng: np.random.Generator,
+) -> _JobState:
+    tables = job_tables(job, profiles, capacity)
+    seen = tables
+    if config.model_error > 0:
+        thr_err = float(np.clip(rng.normal(1.0, config.model_error), 0.2, 5.0))
+        pw_err = float(np.clip(rng.normal(1.0, config.model_error), 0.2, 5.0))
+        seen = JobTables(
+            tables.allowed_gpus,
+            tuple(v * thr_err for v in tables.throughput_samples_per_s),
+            tuple(v * pw_err for v in tables.power_w),
+        )
+    return _JobState(trace=job, tables=tables, seen=seen, remaining_samples=job.total_samples)
+
+
+def _spec(state: _JobState, now: float) -> JobSpec:
+    job = state.trace
+    deadline = None
+    if job.deadline_s is not None and state.guaranteed:
+        deadline = job.deadline_s - now
+    return JobSpec(
+        job_id=job.job_id,
+        allowed_gpus=state.seen.allowed_gpus,
+        throughput_samples_per_s=state.seen.throughput_samples_per_s,
+        power_w=state.seen.power_w,
+        remaining_samples=state.remaining_samples,
+        deadline_s=deadline,
+        current_gpus=state.current_gpus,
+        requested_gpus=job.num_gpu,
+    )
+
+
+def _problem(
+    config: SimulationConfig,
+    clock: CarbonClock,
+    states: dict[str, _JobState],
+    active: list[str],
+    now: float,
+    periods: list[tuple[float, float, float]],
+    spent_kg: list[float],
+) -> AllocationProblem:
+    slots = config.horizon_slots
+    slot_s = config.slot_s
+    intensity = [
+        clock.mean_intensity(now + t * slot_s, now + (t + 1) * slot_s) for t in range(slots)
+    ]
+    if config.forecast_error > 0:
+        # Noise from a generator keyed on the slot's time: the same hour gets the same error
+        # whenever it is forecast, so re-planning does not average the error away.
+        noisy = []
+        for t, value in enumerate(intensity):
+            key = int((now + t * slot_s) // 3600) + 7919 * config.seed
+            err = np.random.default_rng(key).normal(1.0, config.forecast_error)
+            noisy.append(max(0.0, value * err))
+        intensity = noisy
+    horizon_end = now + slots * slot_s
+    budget = tuple(
+        BudgetPeriod(
+            start_s=begin - now,
+            end_s=(end if math.isfinite(end) else horizon_end + slot_s) - now,
+            budget_left_kg=max(0.0, share - spent),
+        )
+        for (begin, end, share), spent in zip(periods, spent_kg, strict=True)
+        if end > now and begin < horizon_end
+    )
+    return AllocationProblem(
+        start_at=clock.origin + timedelta(seconds=now),
+        slot_s=slot_s,
+        capacity_gpus=(config.capacity_gpus,) * slots,
+        intensity_g_per_kwh=tuple(intensity),
+        jobs=tuple(_spec(states[j], now) for j in active),
+        pue=config.pue,
+        budget_periods=budget,
+        budget_mode=BudgetMode.HARD if periods else BudgetMode.SOFT,
+        carbon_price_s_per_kg=config.carbon_price_s_per_kg,
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else 0.0
+
+
+def _report(
+    config: SimulationConfig,
+    jobs: list[TraceJob],
+    states: dict[str, _JobState],
+    periods: list[tuple[float, float, float]],
+    spent_kg: list[float],
+    solver_times: list[float],
+    busy_gpu_s: float,
+    start_s: float,
+    end_s: float,
+    ticks: int,
+) -> SimulationReport:
+    outcomes = []
+    for job in jobs:
+        state = states.get(job.job_id)
+        if state is None:
+            continue
+        jct = None if state.finish_s is None else state.finish_s - job.submission_s
+        met = None
+        if job.deadline_s is not None:
+            met = (
+                state.admitted
+                and state.finish_s is not None
+                and state.finish_s <= job.deadline_s + 1e-6
+            )
+        outcomes.append(
+            JobOutcome(
+                job_id=job.job_id,
+                admitted=state.admitted,
+                finish_s=state.finish_s,
+                jct_s=jct,
+                deadline_met=met,
+                gpu_changes=state.changes,
+                energy_kwh=state.energy_kwh,
+                emissions_kg=state.emissions_kg,
+                reject_reason=state.reject_reason,
+            )
+        )
+    jcts = [o.jct_s for o in outcomes if o.jct_s is not None]
+    with_deadline = [o for o in outcomes if o.deadline_met is not None]
+    overshoot = [
+        max(0.0, spent - share) for (_, _, share), spent in zip(periods, spent_kg, strict=True)
+    ]
+    makespan = max(end_s - start_s, config.slot_s)
+    return SimulationReport(
+        policy=config.policy,
+        jobs=len(outcomes),
+        admitted=sum(1 for o in outcomes if o.admitted),
+        finished=len(jcts),
+        deadline_jobs=len(with_deadline),
+        deadline_met_ratio=(
+            sum(1 for o in with_deadline if o.deadline_met) / len(with_deadline)
+            if with_deadline
+            else 1.0
+        ),
+        avg_jct_s=statistics.fmean(jcts) if jcts else None,
+        p95_jct_s=_percentile(jcts, 95) if jcts else None,
+        energy_kwh=sum(o.energy_kwh for o in outcomes),
+        emissions_kg=sum(o.emissions_kg for o in outcomes),
+        budget_kg=config.budget_kg,
+        budget_violations=sum(1 for x in overshoot if x > 1e-6),
+        budget_overshoot_kg=sum(overshoot),
+        gpu_utilisation=busy_gpu_s / (config.capacity_gpus * makespan),
+        gpu_changes=sum(o.gpu_changes for o in outcomes),
+        ticks=ticks,
+        solver_s_mean=statistics.fmean(solver_times) if solver_times else 0.0,
+        solver_s_p95=_percentile(solver_times, 95),
+        solver_s_max=max(solver_times, default=0.0),
+        makespan_s=makespan,
+        outcomes=outcomes,
+    )
