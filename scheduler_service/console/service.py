@@ -136,6 +136,8 @@ def gpus_in_use_series(
             sum(per_bucket[i].values()) if i in per_bucket else 0,
         )
         for i in range(first, last + 1)
+        # The bucket still in progress counts only once something has reported in it.
+        if i < last or i in per_bucket
     ]
 
 

@@ -35,6 +35,10 @@ CONFIG_TOML = """
 period = "day"
 limit_kg_co2e = 4.0
 enforcement = "hard"
+
+# Generous, so node-a (heartbeat seconds before seeding) stays healthy on a slow machine.
+[cluster]
+heartbeat_timeout_s = 900
 """
 
 

@@ -209,7 +209,7 @@ def _seed(session: Session, now: datetime) -> Seeded:
         agent_url="http://127.0.0.1:9002",
         gpu_kind="A100-40GB",
         simulated=True,
-        last_heartbeat_at=now - timedelta(seconds=95),
+        last_heartbeat_at=now - timedelta(hours=1),
     )
     session.add_all([node_a, node_b])
     session.flush()

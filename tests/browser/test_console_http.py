@@ -331,12 +331,16 @@ def test_gpus_in_use_takes_each_jobs_peak_per_slot() -> None:
         GpuUseRow(t0 + timedelta(seconds=700), 2, 3),
     ]
     series = gpus_in_use_series(rows, since=t0, until=t0 + timedelta(seconds=900), bucket_s=300)
+    # The bucket at `until` is still in progress and empty: left out rather than drawn as 0.
     assert series == [
         (t0, 5),
         (t0 + timedelta(seconds=300), 0),
         (t0 + timedelta(seconds=600), 3),
-        (t0 + timedelta(seconds=900), 0),
     ]
+    late = [*rows, GpuUseRow(t0 + timedelta(seconds=901), 1, 2)]
+    until = t0 + timedelta(seconds=950)
+    last = gpus_in_use_series(late, since=t0, until=until, bucket_s=300)[-1]
+    assert last == (t0 + timedelta(seconds=900), 2)
 
 
 def test_numbers_carry_units_and_times_carry_utc() -> None:

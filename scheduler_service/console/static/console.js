@@ -29,6 +29,19 @@
     return value.toLocaleString([], { maximumFractionDigits: digits }) + " " + unit;
   }
 
+  // x-axis ticks in the browser's locale and time zone: the time, and the date where it changes.
+  function timeTicks(u, splits) {
+    var lastDay = null;
+    return splits.map(function (v) {
+      var date = new Date(v * 1000);
+      var time = date.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+      var day = date.toLocaleDateString([], { month: "short", day: "numeric" });
+      if (day === lastDay) return time;
+      lastDay = day;
+      return time + "\n" + day;
+    });
+  }
+
   function marksPlugin(marks) {
     return {
       hooks: {
@@ -74,7 +87,7 @@
     var grid = cssVar("--chart-grid");
     var scaleNames = Object.keys(spec.scales);
     var scales = { x: { time: true } };
-    var axes = [{ stroke: text, grid: { stroke: grid }, ticks: { stroke: grid } }];
+    var axes = [{ stroke: text, grid: { stroke: grid }, ticks: { stroke: grid }, values: timeTicks }];
     scaleNames.forEach(function (name, i) {
       var info = spec.scales[name];
       scales[name] = {
