@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, and_, func, not_, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from scheduler_service.db.models import (
@@ -149,7 +149,12 @@ class ConsoleRepository:
         return list(self.session.scalars(stmt))
 
     def recent_events(
-        self, *, kinds: Sequence[str] | None, owner: str | None, limit: int
+        self,
+        *,
+        kinds: Sequence[str] | None,
+        owner: str | None,
+        limit: int,
+        skip_submissions: bool = False,
     ) -> list[EventRow]:
         """The newest events (of these kinds, of `owner`'s jobs when given), newest first."""
         stmt = (
@@ -160,6 +165,19 @@ class ConsoleRepository:
         )
         if kinds:
             stmt = stmt.where(JobEvent.kind.in_(list(kinds)))
+        if skip_submissions:
+            # "submitted" and "accepted" say little on a busy cluster; every other event stays.
+            stmt = stmt.where(
+                not_(
+                    and_(
+                        JobEvent.kind == "state",
+                        or_(
+                            JobEvent.from_state.is_(None),
+                            and_(JobEvent.from_state == "PENDING", JobEvent.to_state == "QUEUED"),
+                        ),
+                    )
+                )
+            )
         if owner is not None:
             stmt = stmt.where(Job.owner == owner)
         return [

@@ -385,7 +385,7 @@ def overview(
         jobs_by_state={s.value: counts.get(s.value, 0) for s in JobState},
         intensity=intensity_view(repo, config, now),
         budget=budget_view(repo, config, now),
-        events=repo.recent_events(kinds=None, owner=owner, limit=15),
+        events=repo.recent_events(kinds=None, owner=owner, limit=15, skip_submissions=True),
         risks=risks,
     )
 

@@ -94,7 +94,31 @@ def test_sign_in_and_overview(page: Any, live_server: LiveServer) -> None:
     assert "UTC" not in first_time.inner_text()
     assert re.search(r"CET|GMT\+1|CEST", first_time.inner_text())
     assert first_time.get_attribute("title").endswith(" UTC")
+    assert page.locator("#live table.events .badge.kind-hot_switch").count() == 2
     _screenshot(page, "overview")
+
+
+def test_overview_refreshes_in_place(page: Any, live_server: LiveServer) -> None:
+    seeded = live_server.db.seeded
+    _sign_in(page, live_server, seeded.operator_token)
+    assert page.evaluate("htmx.version").startswith("2.")
+    assert "live refresh check" not in page.inner_text("#live")
+    page.evaluate("window.__notReloaded = true")
+    # Something changes behind the page's back (as the control loop would)...
+    response = httpx.post(
+        f"{live_server.base_url}/v1/jobs/{seeded.alice_queued_job_id}/cancel",
+        json={"reason": "live refresh check"},
+        headers={"Authorization": f"Bearer {seeded.operator_token}"},
+    )
+    assert response.status_code == 200
+    # ...and the same request the page's 15 s poll makes brings it in without a reload.
+    page.evaluate(
+        "htmx.ajax('GET', location.pathname, {target: '#live', select: '#live', swap: 'outerHTML'})"
+    )
+    page.wait_for_selector("#live >> text=live refresh check")
+    assert page.evaluate("window.__notReloaded") is True
+    page.wait_for_selector("[data-chart=burn-down].drawn")
+    assert "UTC" not in page.locator("#live time").first.inner_text()  # localised again
 
 
 def test_running_job_with_hot_switch_history(page: Any, live_server: LiveServer) -> None:
