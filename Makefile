@@ -21,8 +21,7 @@ $(STAMP): pyproject.toml $(wildcard package.json package-lock.json)
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/greenflow db upgrade
-	$(BIN)/greenflow serve
+	$(BIN)/greenflow demo
 
 test: $(STAMP)
 	bash scripts/test.sh

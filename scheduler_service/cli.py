@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -120,6 +121,9 @@ def serve(
 
     settings, config = _settings_and_config()
     _require_migrated(settings)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     application = create_app(settings, config)
     uvicorn.run(
         application, host=host or settings.host, port=port or settings.port, log_level="info"
@@ -230,6 +234,49 @@ def cancel(
     """Cancel a job."""
     data = _call("POST", f"/v1/jobs/{job_id}/cancel", json={"reason": reason})
     out.print(f"job {data['id']} {data['state']}")
+
+
+@app.command()
+def demo(
+    duration: Annotated[
+        float | None, typer.Option(help="Stop by itself after this many seconds.", min=1)
+    ] = None,
+    port: Annotated[int, typer.Option(help="Port of the scheduler.", min=1, max=65535)] = 8080,
+    gpus: Annotated[
+        int, typer.Option(help="Simulated GPU slots of the local agent.", min=1, max=64)
+    ] = 4,
+    budget_kg: Annotated[
+        float, typer.Option(help="Carbon budget per (compressed) day, kg CO2e.", min=0.0001)
+    ] = 0.05,
+    workdir: Annotated[
+        Path | None, typer.Option(help="Where to keep the database and logs (default: a temp dir).")
+    ] = None,
+) -> None:
+    """Run the scheduler, a local agent with simulated GPUs and a compressed carbon day; submit example jobs."""
+    from scheduler_service.demo import run_demo, summary_line
+
+    try:
+        summary = run_demo(
+            duration_s=duration, port=port, gpus=gpus, budget_kg=budget_kg, workdir=workdir
+        )
+    except RuntimeError as exc:
+        fail(str(exc))
+    print(summary_line(summary))
+
+
+def _register_commands() -> None:
+    # The agent and the simulator live in their own packages; the CLI is where they meet.
+    from worker_agent.cli import agent
+
+    app.command(name="agent")(agent)
+    try:
+        from scheduler_service.simulate.cli import simulate
+    except ImportError:  # the trace simulator has not landed in this checkout
+        return
+    app.command(name="simulate")(simulate)
+
+
+_register_commands()
 
 
 def main() -> None:

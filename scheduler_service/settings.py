@@ -58,6 +58,9 @@ class CarbonConfig(BaseModel):
     trace_path: Path | None = None
     # Trace and synthetic providers replay this many trace seconds per wall-clock second.
     clock_speedup: Annotated[float, Field(gt=0)] = 1.0
+    # Trace/synthetic providers: "model" forecasts from the replayed past (as a real provider
+    # would); "oracle" reveals the trace's own future (a perfect forecast, for experiments).
+    forecast_mode: Literal["model", "oracle"] = "model"
     seed: int = 0
     conservative_intensity_g_per_kwh: Annotated[float, Field(gt=0)] = 500.0
     max_forecast_age_s: Annotated[int, Field(gt=0)] = 3600

@@ -23,6 +23,7 @@ def make_carbon_source(config: CarbonConfig) -> ResilientCarbonSource:
             base_url=config.base_url,
             trace_path=config.trace_path,
             clock_speedup=config.clock_speedup,
+            forecast_mode=config.forecast_mode,
             conservative_intensity_g_per_kwh=config.conservative_intensity_g_per_kwh,
             max_forecast_age_s=config.max_forecast_age_s,
             seed=config.seed,
