@@ -78,6 +78,17 @@ class SwitchPlan:
         """The largest per-worker send volume."""
         return max(self.send_bytes.values(), default=0)
 
+    def part_for(self, worker: WorkerId) -> SwitchPlan:
+        """The transfers and local copies one worker takes part in (what it is sent)."""
+        return SwitchPlan(
+            transfers=[t for t in self.transfers if worker in (t.src, t.dst)],
+            local_copies=[c for c in self.local_copies if c.worker == worker],
+            elem_bytes=self.elem_bytes,
+            bytes_lower_bound=self.bytes_lower_bound,
+            send_bytes=dict(self.send_bytes),
+            strategy=self.strategy,
+        )
+
     def sends_of(self, worker: WorkerId) -> dict[WorkerId, list[Transfer]]:
         """Transfers `worker` sends, grouped by receiver, in the order both sides use."""
         out: dict[WorkerId, list[Transfer]] = defaultdict(list)

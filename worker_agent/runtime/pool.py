@@ -60,10 +60,25 @@ class SwitchReport:
     pack_s: float
     comm_s: float
     unpack_s: float
+    exchange_s: float
+    """Slowest worker's pack + batched p2p + unpack: the time the moved bytes took."""
+    local_s: float
+    """Slowest worker's allocation of its new shard and copies of what it already held."""
+    pair_bytes: list[tuple[int, int, int]] = field(default_factory=list)
+    """(sender, receiver, bytes) per worker pair, ranks as in the transfer group."""
     workers_started: list[int] = field(default_factory=list)
     workers_released: list[int] = field(default_factory=list)
     error: str | None = None
     recovered_from: str | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Per-rank checkpoint files of one layout at one step."""
+
+    layout: Layout
+    step: int
+    files: list[str]
 
 
 @dataclass
@@ -143,8 +158,9 @@ class JobRunner:
         layout: Layout | None = None,
         memory_per_gpu_bytes: float = 64 * 2**30,
         gpus_per_node: int | None = None,
+        checkpoint: Checkpoint | None = None,
     ) -> Layout:
-        """Start one worker per GPU slot with fresh state in `layout` (or the chosen one)."""
+        """Start one worker per GPU slot in `layout` (or the chosen one), fresh or from a checkpoint."""
         if self._ranks:
             raise RuntimeError("job already started; use resize() or stop()")
         slots = self._slots(gpus)
@@ -167,12 +183,53 @@ class JobRunner:
         handles = self._spawn(slots)
         self._ranks = handles
         self._join(handles)
-        self._call(
-            [(h, "init_state", {"layout": layout, "rank": r}) for r, h in enumerate(handles)]
-        )
         self._layout = layout
         self._step = 0
+        if checkpoint is None:
+            self._call(
+                [(h, "init_state", {"layout": layout, "rank": r}) for r, h in enumerate(handles)]
+            )
+            return layout
+        # Resharding on load: the planner maps checkpoint files (ids -1, -2, ...) to new ranks.
+        src = {
+            -1 - k: _holdings(self._param_specs, self._n_blocks, checkpoint.layout, k)
+            for k in range(checkpoint.layout.world_size)
+        }
+        dst = {
+            h.worker_id: _holdings(self._param_specs, self._n_blocks, layout, r)
+            for r, h in enumerate(handles)
+        }
+        plan = build_plan(src, dst)
+        files = {-1 - k: f for k, f in enumerate(checkpoint.files)}
+        self._call(
+            [
+                (h, "load_checkpoint", {"layout": layout, "rank": r, "plan": plan, "files": files})
+                for r, h in enumerate(handles)
+            ]
+        )
+        self._step = checkpoint.step
         return layout
+
+    def save_checkpoint(self, directory: str) -> Checkpoint:
+        """Every worker writes its shard to `directory` (the restart baseline; not used by resize)."""
+        files = [f"{directory}/rank{r}.pt" for r in range(len(self._ranks))]
+        with self._lock:
+            self._call(
+                [
+                    (h, "save_checkpoint", {"path": f})
+                    for h, f in zip(self._ranks, files, strict=True)
+                ]
+            )
+        return Checkpoint(self.layout, self._step, files)
+
+    def probe_p2p(self, pairs: list[tuple[int, int, int]], repeats: int = 3) -> float:
+        """Seconds for a plain batched p2p copy of (src_rank, dst_rank, bytes) between warm buffers."""
+        elems = [(s, d, n // 4) for s, d, n in pairs]
+        with self._lock:
+            times = self._call(
+                [(h, "p2p_probe", {"pairs": elems, "repeats": repeats}) for h in self._ranks]
+            )
+        return float(max(times))
 
     @property
     def layout(self) -> Layout:
@@ -520,7 +577,7 @@ class JobRunner:
                         h,
                         "switch_prepare",
                         {
-                            "plan": plan,
+                            "plan": plan.part_for(h.worker_id),
                             "group_rank": group_rank,
                             "new_layout": new_layout if h.worker_id in new_rank else None,
                             "new_rank": new_rank.get(h.worker_id, -1),
@@ -561,6 +618,7 @@ class JobRunner:
             regroup_s,
             added,
             leaving,
+            group_rank=group_rank,
         )
         # Reaping exited workers takes ~1 s of interpreter teardown; training need not wait for it.
         if leaving:
@@ -588,7 +646,14 @@ class JobRunner:
         leaving: list[_Handle],
         error: str | None = None,
         recovered_from: str | None = None,
+        group_rank: dict[int, int] | None = None,
     ) -> SwitchReport:
+        pairs: dict[tuple[int, int], int] = {}
+        if group_rank is not None:
+            for t in plan.transfers:
+                key = (group_rank[t.src], group_rank[t.dst])
+                pairs[key] = pairs.get(key, 0) + t.numel * plan.elem_bytes
+        pair_bytes = [(s, d, n) for (s, d), n in sorted(pairs.items())]
         return SwitchReport(
             src=src,
             dst=dst,
@@ -607,6 +672,9 @@ class JobRunner:
             pack_s=max((s.pack_s for s in stats), default=0.0),
             comm_s=max((s.comm_s for s in stats), default=0.0),
             unpack_s=max((s.unpack_s for s in stats), default=0.0),
+            exchange_s=max((s.pack_s + s.comm_s + s.unpack_s for s in stats), default=0.0),
+            local_s=max((s.local_s for s in stats), default=0.0),
+            pair_bytes=pair_bytes,
             workers_started=[h.pid for h in added],
             workers_released=[h.pid for h in leaving],
             error=error,

@@ -327,6 +327,53 @@ class Worker:
         """Drop the prepared state and keep the old one."""
         self._pending = None
 
+    def cmd_save_checkpoint(self, path: str) -> float:
+        """Write this worker's state to `path` (checkpoint-and-restart baseline); returns seconds."""
+        assert self.flat is not None
+        t0 = time.perf_counter()
+        torch.save({"flat": self.flat.cpu(), "step": self.step}, path)
+        return time.perf_counter() - t0
+
+    def cmd_load_checkpoint(
+        self, layout: Layout, rank: int, plan: SwitchPlan, files: dict[int, str]
+    ) -> float:
+        """Build state for (layout, rank) from per-rank checkpoint files, resharding on load."""
+        t0 = time.perf_counter()
+        smap = shard_map(self.specs, self.n_blocks, layout, rank)
+        flat = torch.empty(smap.n_state_elems, device=self.device)
+        step = 0
+        for src, ts in plan.recvs_of(self.cfg.worker_id).items():
+            ckpt = torch.load(files[src], mmap=True, weights_only=True)
+            step = int(ckpt["step"])
+            for t in ts:
+                flat[t.dst_offset : t.dst_offset + t.numel].copy_(
+                    ckpt["flat"][t.src_offset : t.src_offset + t.numel]
+                )
+        self._install(layout, rank, flat, step)
+        self._build_groups()
+        return time.perf_counter() - t0
+
+    def cmd_p2p_probe(self, pairs: list[tuple[int, int, int]], repeats: int) -> float:
+        """Seconds for a plain batched send/recv of (src_rank, dst_rank, numel) between warm buffers."""
+        me = dist.get_rank()
+        mine = [(s, d, n) for s, d, n in pairs if me in (s, d)]
+        bufs = [torch.ones(n, device=self.device) for _, _, n in mine]
+
+        def once() -> float:
+            ops = [
+                dist.P2POp(dist.isend, b, d) if s == me else dist.P2POp(dist.irecv, b, s)
+                for (s, d, _), b in zip(mine, bufs, strict=True)
+            ]
+            dist.barrier()
+            t0 = time.perf_counter()
+            if ops:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            return time.perf_counter() - t0
+
+        once()  # warm-up: connections and first-touch of the buffers
+        return min(once() for _ in range(repeats))
+
     def cmd_arm_fault(self) -> None:
         """Test hook: exit abruptly at the start of the next switch."""
         self.cfg = dataclasses.replace(self.cfg, fail_at="switch")

@@ -1,0 +1,162 @@
+"""Hot-switch cost: switch time, bytes moved vs the lower bound, bandwidth vs a plain p2p copy of
+the same bytes, and the checkpoint-and-restart alternative. Prints JSON.
+
+    python bench/hotswitch.py [--quick] [--sizes 10M,50M,100M]
+
+Workers are CPU processes on gloo (loopback); on a GPU node the same code runs on NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker_agent.runtime.layout import Layout
+from worker_agent.runtime.pool import JobRunner, SwitchReport
+from worker_agent.runtime.presets import JobSpec, build_job
+
+# GPT presets sized to ~10 M, ~50 M, ~100 M, ~250 M parameters.
+SIZES: dict[str, dict[str, int]] = {
+    "10M": {"d_model": 256, "n_layers": 12, "n_heads": 8},
+    "50M": {"d_model": 512, "n_layers": 16, "n_heads": 8},
+    "100M": {"d_model": 768, "n_layers": 14, "n_heads": 12},
+    "250M": {"d_model": 1024, "n_layers": 20, "n_heads": 16},
+}
+# (src gpus, src layout, dst gpus, dst layout); every pair is also run in reverse.
+PAIRS_FULL = [
+    (2, Layout(tp=2), 2, Layout(pp=2)),
+    (2, Layout(dp=2), 2, Layout(tp=2)),
+    (2, Layout(dp=2), 4, Layout(dp=2, tp=2)),
+]
+PAIRS_QUICK = [(2, Layout(tp=2), 2, Layout(pp=2))]
+
+
+def _spec(size: str) -> JobSpec:
+    return JobSpec(
+        preset="gpt",
+        vocab_size=1024,
+        seq_len=16,
+        global_batch_size=4,
+        micro_batch_size=1,
+        **SIZES[size],  # type: ignore[arg-type]
+    )
+
+
+def _case(
+    size: str, n_params: int, report: SwitchReport, plain_s: float, restart_s: float
+) -> dict[str, Any]:
+    moved = report.bytes_moved
+    ratio = plain_s / report.exchange_s if moved and report.exchange_s > 0 else None
+    return {
+        "params": n_params,
+        "model": size,
+        "src": str(report.src),
+        "dst": str(report.dst),
+        "switch_s": round(report.switch_s, 4),
+        "switch_s_without_snapshot": round(report.switch_s - report.snapshot_s, 4),
+        "snapshot_s": round(report.snapshot_s, 4),
+        "exchange_s": round(report.exchange_s, 4),
+        "local_s": round(report.local_s, 4),
+        "regroup_s": round(report.regroup_s, 4),
+        "spawn_s_overlapped": round(report.spawn_s, 3),
+        "bytes_moved": moved,
+        "bytes_lower_bound": report.bytes_lower_bound,
+        "plain_copy_s": round(plain_s, 4),
+        "bandwidth_ratio": None if ratio is None else round(ratio, 3),
+        "restart_s": round(restart_s, 3),
+        "speedup_vs_restart": round(restart_s / report.switch_s, 1),
+    }
+
+
+def _restart(
+    run: JobRunner, spec: JobSpec, gpus: int, layout: Layout, workdir: str
+) -> tuple[JobRunner, float]:
+    """Checkpoint to disk, stop every worker, start new ones in `layout`, load (resharding)."""
+    t0 = time.perf_counter()
+    ckpt = run.save_checkpoint(workdir)
+    run.stop()
+    fresh = JobRunner(snapshot_policy="before_switch")
+    fresh.start(spec, gpus, layout, checkpoint=ckpt)
+    return fresh, time.perf_counter() - t0
+
+
+def run_pair(
+    size: str, pair: tuple[int, Layout, int, Layout], probe: JobRunner
+) -> list[dict[str, Any]]:
+    """Switch src->dst->src in one pool, then restart src->dst->src from checkpoints."""
+    spec = _spec(size)
+    n_params = sum(p.numel for p in build_job(spec).param_specs())
+    src_n, src, dst_n, dst = pair
+    run = JobRunner(snapshot_policy="before_switch")
+    try:
+        run.start(spec, src_n, src)
+        run.train(1)  # non-zero optimizer state
+        fwd = run.resize(dst_n, dst)
+        back = run.resize(src_n, src)
+        with tempfile.TemporaryDirectory(prefix="gf-ckpt-") as d1:
+            run, restart_fwd = _restart(run, spec, dst_n, dst, d1)
+        with tempfile.TemporaryDirectory(prefix="gf-ckpt-") as d2:
+            run, restart_back = _restart(run, spec, src_n, src, d2)
+    finally:
+        run.stop()
+    out = []
+    for rep, restart_s in ((fwd, restart_fwd), (back, restart_back)):
+        plain_s = probe.probe_p2p(rep.pair_bytes) if rep.bytes_moved else 0.0
+        out.append(_case(size, n_params, rep, plain_s, restart_s))
+    return out
+
+
+def main() -> None:
+    """Run the cases and print one JSON document."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="one small model, one pair (< 1 min)")
+    ap.add_argument("--sizes", default="10M,50M,100M", help=f"comma list of {list(SIZES)}")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    sizes = ["10M"] if args.quick else args.sizes.split(",")
+    pairs = PAIRS_QUICK if args.quick else PAIRS_FULL
+    cases: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    with JobRunner(snapshot_policy="none") as probe:
+        # Plain-copy reference: a separate pool of 4 idle workers, warm pre-allocated buffers.
+        probe.start(
+            JobSpec(preset="mlp", n_layers=1, d_model=8, global_batch_size=4, micro_batch_size=1),
+            4,
+            Layout(dp=4),
+        )
+        for size in sizes:
+            for pair in pairs:
+                cases += run_pair(size, pair, probe)
+    moved = [c for c in cases if c["bytes_moved"]]
+    print(
+        json.dumps(
+            {
+                "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread/worker, "
+                f"backend gloo (loopback), torch {torch.__version__}",
+                "cases": cases,
+                "summary": {
+                    "bytes_moved_equals_lower_bound": all(
+                        c["bytes_moved"] == c["bytes_lower_bound"] for c in cases
+                    ),
+                    "min_bandwidth_ratio": min((c["bandwidth_ratio"] for c in moved), default=None),
+                    "min_speedup_vs_restart": min(c["speedup_vs_restart"] for c in cases),
+                    "bench_s": round(time.perf_counter() - started, 1),
+                },
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
