@@ -1,0 +1,121 @@
+"""The agent against the real scheduler (`greenflow serve` on SQLite, control loop on): it
+registers, heartbeats, receives the placement of a submitted job, trains it to the end and
+reports telemetry that finishes the job.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.processes import free_port, run_cli, running
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+CONFIG = """
+[planner]
+slot_s = 60
+horizon_s = 3600
+solver_time_limit_s = 2.0
+
+[cluster]
+agent_heartbeat_interval_s = 0.5
+agent_telemetry_interval_s = 0.5
+"""
+
+
+def _token(role: str, name: str, env: dict[str, str]) -> str:
+    result = run_cli(["token", "create", "--role", role, "--name", name], env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_agent_runs_a_job_the_real_scheduler_places(tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "greenflow.toml"
+    config.write_text(CONFIG)
+    env = {
+        "GREENFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'greenflow.db'}",
+        "GREENFLOW_CONFIG": str(config),
+        "GREENFLOW_PORT": str(port),
+    }
+    assert run_cli(["db", "upgrade"], env).returncode == 0
+    agent_token = _token("agent", "node-a", env)
+    user = {"Authorization": f"Bearer {_token('user', 'alice', env)}"}
+    operator = {"Authorization": f"Bearer {_token('operator', 'root', env)}"}
+    url = f"http://127.0.0.1:{port}"
+
+    with running(["serve"], env, tmp_path / "serve.log", health_url=f"{url}/healthz"):
+        log = (tmp_path / "agent.log").open("wb")
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker_agent.cli",
+                "--scheduler",
+                url,
+                "--token",
+                agent_token,
+                "--simulate-gpus",
+                "2",
+                "--name",
+                "node-a",
+            ],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            nodes: list[dict[str, object]] = []
+            while time.monotonic() < deadline and not nodes:
+                nodes = httpx.get(f"{url}/v1/nodes", headers=operator).json()
+                time.sleep(0.2)
+            assert nodes, "agent never registered"
+            node = nodes[0]
+            assert node["name"] == "node-a" and node["simulated"] is True
+            assert len(node["slots"]) == 2  # type: ignore[arg-type]
+            assert str(node["agent_url"]).startswith("http://127.0.0.1:")
+
+            job = {
+                "name": "agent-e2e",
+                "workload": "mlp",
+                "global_batch_size": 16,
+                "total_steps": 200,
+                "min_gpus": 1,
+                "max_gpus": 2,
+            }
+            created = httpx.post(f"{url}/v1/jobs", json=job, headers=user)
+            assert created.status_code == 201, created.text
+            job_id = created.json()["id"]
+            state = ""
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline and state != "SUCCEEDED":
+                state = httpx.get(f"{url}/v1/jobs/{job_id}", headers=user).json()["state"]
+                assert state not in ("FAILED", "CANCELLED"), state
+                time.sleep(0.5)
+            assert state == "SUCCEEDED", (tmp_path / "agent.log").read_text()[-3000:]
+
+            samples = httpx.get(f"{url}/v1/jobs/{job_id}/telemetry", headers=user).json()
+            assert samples, "no telemetry stored"
+            assert {s["power_source"] for s in samples} == {"estimated"}
+            assert samples[-1]["samples_done"] == 200 * 16
+            assert all(s["energy_kwh"] > 0 and s["gpus"] >= 1 for s in samples)
+            heartbeat = httpx.get(f"{url}/v1/nodes", headers=operator).json()[0]
+            assert heartbeat["heartbeat_age_s"] < 10
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            try:
+                assert agent.wait(timeout=60) == 0
+            finally:
+                if agent.poll() is None:
+                    agent.kill()
+                log.close()
