@@ -18,6 +18,7 @@ from scheduler_service.db.models import (
     JobEvent,
     LedgerEntry,
     Node,
+    Plan,
     TelemetrySample,
 )
 
@@ -317,3 +318,9 @@ class ConsoleRepository:
             )
             for start, end, emissions, energy in self.session.execute(stmt)
         ]
+
+    # Plan -----------------------------------------------------------------------------------
+
+    def latest_plan(self) -> Plan | None:
+        """The newest plan the control loop stored (the current plan)."""
+        return self.session.scalar(select(Plan).order_by(Plan.id.desc()).limit(1))

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session
 
 from scheduler_service.auth.service import Principal
+from scheduler_service.budget.periods import period_containing
 from scheduler_service.console.repository import ConsoleRepository, EventRow, GpuUseRow
 from scheduler_service.db.models import (
     Allocation,
@@ -20,12 +21,12 @@ from scheduler_service.db.models import (
     JobEvent,
     LedgerEntry,
     Node,
+    Plan,
     TelemetrySample,
 )
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState
 from scheduler_service.settings import GreenflowConfig
 
-BudgetPeriod = Literal["day", "week", "month"]
 # How many of a job's newest telemetry samples its current throughput is averaged over.
 RATE_WINDOW_SAMPLES = 5
 # Jobs whose completion is projected for their deadline (not yet finished).
@@ -36,23 +37,6 @@ HISTORY = timedelta(hours=24)
 
 
 # Pure helpers ---------------------------------------------------------------------------------
-
-
-def period_bounds(period: BudgetPeriod, now: datetime) -> tuple[datetime, datetime]:
-    """The UTC start and end of the budget period that contains `now`."""
-    day = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    if period == "day":
-        return day, day + timedelta(days=1)
-    if period == "week":
-        start = day - timedelta(days=day.weekday())  # ISO weeks start on Monday
-        return start, start + timedelta(days=7)
-    start = day.replace(day=1)
-    end = (
-        start.replace(year=start.year + 1, month=1)
-        if start.month == 12
-        else start.replace(month=start.month + 1)
-    )
-    return start, end
 
 
 def unix_s(at: datetime) -> float:
@@ -162,6 +146,61 @@ def layout_segments(samples: Sequence[TelemetrySample]) -> list[Segment]:
         else:
             segments.append(Segment(start, sample.at, sample.gpus, sample.layout))
     return segments
+
+
+@dataclass(frozen=True)
+class PlanInfo:
+    """The newest plan the control loop made, as the console summarises it."""
+
+    created_at: datetime
+    start_at: datetime
+    slot_s: float
+    slots: int
+    policy: str
+    status: str
+    energy_kwh: float
+    emissions_kg: float
+    forecast_degraded: bool
+    deadline_misses: dict[str, str]
+
+
+def plan_info(plan: Plan, *, visible_job_ids: set[str] | None) -> PlanInfo:
+    """A plan's summary; deadline misses only of the jobs the caller may see (None: all)."""
+    misses = {
+        job_id: reason
+        for job_id, reason in (plan.deadline_misses or {}).items()
+        if visible_job_ids is None or job_id in visible_job_ids
+    }
+    return PlanInfo(
+        created_at=plan.created_at,
+        start_at=plan.start_at,
+        slot_s=plan.slot_s,
+        slots=len(plan.slots),
+        policy=plan.policy,
+        status=plan.status,
+        energy_kwh=plan.energy_kwh,
+        emissions_kg=plan.emissions_kg,
+        forecast_degraded=plan.forecast_degraded,
+        deadline_misses=misses,
+    )
+
+
+def planned_gpus(plan: Plan, job_id: str | None = None) -> list[tuple[datetime, float]]:
+    """GPUs the plan gives per slot (one job's, or all jobs' summed), ending with the horizon."""
+    rows = plan.gpus_by_job or {}
+    counts = [rows.get(job_id, [])] if job_id is not None else list(rows.values())
+    n_slots = max([len(plan.slots), *(len(c) for c in counts)])
+    totals = [0.0] * n_slots
+    for per_slot in counts:
+        for index, gpus in enumerate(per_slot):
+            totals[index] += gpus
+    points = [
+        (plan.start_at + timedelta(seconds=i * plan.slot_s), totals[i]) for i in range(n_slots)
+    ]
+    if n_slots:
+        # Repeat the last value at the horizon so the last slot's step has its full width.
+        points.append((plan.start_at + timedelta(seconds=n_slots * plan.slot_s), totals[-1]))
+    return points
 
 
 @dataclass
@@ -278,6 +317,8 @@ class JobRisk:
 
     job: Job
     projection: Projection
+    # Why the current plan cannot meet the deadline (None when it can, or there is no plan).
+    plan_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -304,7 +345,8 @@ def _owner_filter(principal: Principal) -> str | None:
 
 def budget_view(repo: ConsoleRepository, config: GreenflowConfig, now: datetime) -> BudgetView:
     """The current period's budget, spend and burn-down chart."""
-    start, end = period_bounds(config.budget.period, now)
+    period = period_containing(now, config.budget.period)
+    start, end = period.start_at, period.end_at
     entries: list[LedgerEntry] = repo.ledger_in_period(period_start=start)
     limit_kg = config.budget.limit_kg_co2e
     remaining: list[tuple[datetime, float]] = [(start, limit_kg)]
@@ -370,6 +412,8 @@ def overview(
     owner = _owner_filter(principal)
     total, used = repo.gpu_counts()
     counts = repo.count_by_state()
+    plan = repo.latest_plan()
+    misses = (plan.deadline_misses or {}) if plan is not None else {}
     risks = []
     for job in repo.jobs_in_states(UNFINISHED_STATES, owner=owner):
         if job.deadline_at is None:
@@ -377,8 +421,9 @@ def overview(
         projection = project_completion(
             job, repo.recent_telemetry(job.id, limit=RATE_WINDOW_SAMPLES), now
         )
-        if projection.status in ("at risk", "missed"):
-            risks.append(JobRisk(job, projection))
+        plan_reason = misses.get(str(job.id))
+        if projection.status in ("at risk", "missed") or plan_reason is not None:
+            risks.append(JobRisk(job, projection, plan_reason))
     return Overview(
         gpus_total=total,
         gpus_used=used,
@@ -425,6 +470,7 @@ class CarbonPage:
     region: str
     chart: Chart
     forecast: ForecastInfo | None
+    plan: PlanInfo | None
     budget: BudgetView
     periods: list[PeriodRow]
     bucket_s: float
@@ -456,15 +502,32 @@ def carbon_page(
     gpus = gpus_in_use_series(
         repo.gpu_use(since=since, until=now), since=since, until=now, bucket_s=bucket_s
     )
-    chart = aligned_chart(
-        [
-            (ChartSeries("Measured intensity", "g CO₂e/kWh", [], "g", "--chart-2"), history),
-            (ChartSeries("Forecast", "g CO₂e/kWh", [], "g", "--chart-3", dash=True), forecast),
+    plan = repo.latest_plan()
+    lines = [
+        (ChartSeries("Measured intensity", "g CO₂e/kWh", [], "g", "--chart-2"), history),
+        (ChartSeries("Forecast", "g CO₂e/kWh", [], "g", "--chart-3", dash=True), forecast),
+        (
+            ChartSeries("GPUs in use", "GPUs", [], "gpus", "--chart-1", step=True),
+            [(at, float(n)) for at, n in gpus],
+        ),
+    ]
+    if plan is not None:
+        lines.append(
             (
-                ChartSeries("GPUs in use", "GPUs", [], "gpus", "--chart-1", step=True),
-                [(at, float(n)) for at, n in gpus],
-            ),
-        ],
+                ChartSeries("Planned GPUs", "GPUs", [], "gpus", "--chart-4", step=True, dash=True),
+                planned_gpus(plan),
+            )
+        )
+    visible = (
+        None
+        if principal.is_operator
+        else {
+            str(j.id)
+            for j in repo.jobs_in_states([s.value for s in JobState], owner=principal.name)
+        }
+    )
+    chart = aligned_chart(
+        lines,
         {"g": {"label": "g CO₂e/kWh"}, "gpus": {"label": "GPUs", "side": "right"}},
         marks=[{"x": unix_s(now), "label": "now"}],
     )
@@ -492,7 +555,13 @@ def carbon_page(
         else None
     )
     return CarbonPage(
-        region=region, chart=chart, forecast=info, budget=budget, periods=periods, bucket_s=bucket_s
+        region=region,
+        chart=chart,
+        forecast=info,
+        plan=plan_info(plan, visible_job_ids=visible) if plan is not None else None,
+        budget=budget,
+        periods=periods,
+        bucket_s=bucket_s,
     )
 
 
@@ -525,6 +594,8 @@ class JobPage:
     latest_power_w: float | None
     power_source: str | None
     projection: Projection
+    plan: PlanInfo | None
+    plan_reason: str | None
 
     @property
     def progress_pct(self) -> float | None:
@@ -541,17 +612,31 @@ def _detail(details: dict[str, Any] | None, *keys: str) -> Any:
     return None
 
 
-def hot_switch_of(event: JobEvent) -> HotSwitch:
-    """The before/after of a hot-switch event (fields the event does not carry are None)."""
+def hot_switch_of(event: JobEvent, previous_layout: Any = None) -> HotSwitch:
+    """The before/after of a hot-switch event (fields neither it nor `previous_layout` give are None)."""
     d = event.details
     return HotSwitch(
         event=event,
         from_gpus=_detail(d, "from_gpus", "old_gpus"),
         to_gpus=_detail(d, "to_gpus", "new_gpus", "gpus"),
-        from_layout=_detail(d, "from_layout", "old_layout"),
+        from_layout=_detail(d, "from_layout", "old_layout") or previous_layout,
         to_layout=_detail(d, "to_layout", "new_layout", "layout"),
         switch_s=_detail(d, "switch_s", "duration_s"),
     )
+
+
+def hot_switches(events: Sequence[JobEvent]) -> list[HotSwitch]:
+    """A job's hot switches in order; a switch's old layout defaults to the layout before it."""
+    switches = []
+    layout: Any = None
+    for event in events:
+        if event.kind == "hot_switch":
+            switch = hot_switch_of(event, layout)
+            switches.append(switch)
+            layout = switch.to_layout
+        elif event.kind == "allocation":
+            layout = _detail(event.details, "to_layout", "layout") or layout
+    return switches
 
 
 def job_page(session: Session, job: Job, now: datetime) -> JobPage:
@@ -559,7 +644,8 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
     repo = ConsoleRepository(session)
     events = repo.job_events(job.id)
     samples = repo.telemetry(job.id)
-    switches = [hot_switch_of(e) for e in events if e.kind == "hot_switch"]
+    switches = hot_switches(events)
+    plan = repo.latest_plan()
     marks = [
         {
             "x": unix_s(s.event.at),
@@ -570,11 +656,17 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
     ]
     # A sample reports the GPUs of the interval that ends at `at`: plot it from the interval's start.
     gpu_points = [(s.at - timedelta(seconds=s.interval_s), float(s.gpus)) for s in samples]
-    gpu_chart = aligned_chart(
-        [(ChartSeries("GPUs", "GPUs", [], "gpus", "--chart-1", step=True), gpu_points)],
-        {"gpus": {"label": "GPUs", "min": 0}},
-        marks=marks,
-    )
+    gpu_lines = [(ChartSeries("GPUs", "GPUs", [], "gpus", "--chart-1", step=True), gpu_points)]
+    planned = planned_gpus(plan, str(job.id)) if plan is not None else []
+    if any(gpus > 0 for _, gpus in planned):
+        gpu_lines.append(
+            (
+                ChartSeries("Planned", "GPUs", [], "gpus", "--chart-4", step=True, dash=True),
+                planned,
+            )
+        )
+        marks = [*marks, {"x": unix_s(now), "label": "now"}]
+    gpu_chart = aligned_chart(gpu_lines, {"gpus": {"label": "GPUs", "min": 0}}, marks=marks)
     rate_chart = aligned_chart(
         [
             (
@@ -607,6 +699,8 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
         latest_power_w=latest.power_w if latest else None,
         power_source=latest.power_source if latest else None,
         projection=project_completion(job, samples[-RATE_WINDOW_SAMPLES:], now),
+        plan=plan_info(plan, visible_job_ids={str(job.id)}) if plan is not None else None,
+        plan_reason=(plan.deadline_misses or {}).get(str(job.id)) if plan is not None else None,
     )
 
 

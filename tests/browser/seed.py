@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from scheduler_service.auth.service import create_token
 from scheduler_service.auth.tokens import Role
-from scheduler_service.console.service import period_bounds
+from scheduler_service.budget.periods import period_containing
 from scheduler_service.db.models import (
     Allocation,
     CarbonForecastRecord,
@@ -21,6 +21,7 @@ from scheduler_service.db.models import (
     JobEvent,
     LedgerEntry,
     Node,
+    Plan,
     TelemetrySample,
 )
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
@@ -143,13 +144,13 @@ def _telemetry(
 def _charge(session: Session, samples: list[TelemetrySample]) -> None:
     for sample in samples:
         intensity = intensity_at(sample.at)
-        start, end = period_bounds("day", sample.at)
+        period = period_containing(sample.at, "day")
         session.add(
             LedgerEntry(
                 job_id=sample.job_id,
                 telemetry_sample_id=sample.id,
-                period_start=start,
-                period_end=end,
+                period_start=period.start_at,
+                period_end=period.end_at,
                 interval_start=sample.at - timedelta(seconds=sample.interval_s),
                 interval_end=sample.at,
                 energy_kwh=sample.energy_kwh,
@@ -374,7 +375,7 @@ def _seed(session: Session, now: datetime) -> Seeded:
 
     _charge(session, bert_samples + resnet_samples)
     # Earlier periods, so the period table has history.
-    today, _ = period_bounds("day", now)
+    today = period_containing(now, "day").start_at
     for days_ago, kg in ((1, 3.1), (2, 4.6), (3, 2.2)):
         start = today - timedelta(days=days_ago)
         session.add(
@@ -423,6 +424,7 @@ def _seed(session: Session, now: datetime) -> Seeded:
             ],
         )
     )
+    _plan(session, now, bert=bert, resnet=resnet, vgg=vgg, gpt2=gpt2)
     return Seeded(
         operator_token=operator,
         alice_token=alice,
@@ -431,4 +433,51 @@ def _seed(session: Session, now: datetime) -> Seeded:
         at_risk_job_id=resnet.id,
         cancel_job_id=cancel_me.id,
         alice_queued_job_id=gpt2.id,
+    )
+
+
+def _plan(session: Session, now: datetime, *, bert: Job, resnet: Job, vgg: Job, gpt2: Job) -> None:
+    """A current plan: hourly slots, more GPUs in the solar dip, resnet's deadline out of reach."""
+    slot_s = 3600.0
+    start = now.replace(minute=0, second=0)
+    gpus: dict[str, list[int]] = {str(j.id): [] for j in (bert, resnet, vgg, gpt2)}
+    slots = []
+    for index in range(24):
+        intensity = intensity_at(start + timedelta(seconds=index * slot_s))
+        dip = intensity < 220
+        row = {
+            bert.id: (4 if dip else 3) if index < 12 else 0,
+            resnet.id: 2,
+            vgg.id: 2 if dip else 0,
+            gpt2.id: 0 if dip else 2,
+        }
+        for job_id, count in row.items():
+            gpus[str(job_id)].append(count)
+        energy_kwh = sum(row.values()) * POWER_PER_GPU_W * slot_s / 3.6e6 * PUE
+        slots.append(
+            {
+                "capacity_gpus": 8,
+                "intensity_g_per_kwh": intensity,
+                "energy_kwh": energy_kwh,
+                "emissions_kg": energy_kwh * intensity / 1000,
+            }
+        )
+    session.add(
+        Plan(
+            created_at=now - timedelta(seconds=40),
+            start_at=start,
+            slot_s=slot_s,
+            policy="greenflow",
+            status="OPTIMAL",
+            gap=0.0,
+            solve_s=0.8,
+            energy_kwh=sum(s["energy_kwh"] for s in slots),
+            emissions_kg=sum(s["emissions_kg"] for s in slots),
+            forecast_degraded=False,
+            gpus_by_job=gpus,
+            slots=slots,
+            deadline_misses={
+                str(resnet.id): "needs about 22 h on its maximum of 2 GPUs; the deadline is in 2 h"
+            },
+        )
     )

@@ -142,6 +142,7 @@ def test_running_job_with_hot_switch_history(page: Any, live_server: LiveServer)
     assert page.locator("#timeline .badge.kind-hot_switch").count() == 2
     page.wait_for_selector("[data-chart=gpu-chart].drawn")
     page.wait_for_selector("[data-chart=rate-chart].drawn")
+    assert "Planned (GPUs)" in page.inner_text("[data-chart=gpu-chart]")
     assert "on track" in page.inner_text("#projection")
     assert "kg CO₂e" in page.inner_text("main") and "kWh" in page.inner_text("main")
     _screenshot(page, "job")
@@ -205,6 +206,8 @@ def test_carbon_and_nodes_pages(page: Any, live_server: LiveServer) -> None:
     page.wait_for_selector("[data-chart=carbon-chart].drawn")
     legend = page.inner_text("[data-chart=carbon-chart]")
     assert "Measured intensity" in legend and "Forecast" in legend and "GPUs in use" in legend
+    assert "Planned GPUs" in legend
+    assert "OPTIMAL" in page.inner_text("#plan-summary")
     assert page.locator("table tr.current").count() == 1
     _screenshot(page, "carbon")
     page.click("nav >> text=Nodes")

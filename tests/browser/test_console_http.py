@@ -16,8 +16,14 @@ from scheduler_service.auth.tokens import Role
 from scheduler_service.console.formatting import fmt_duration_s, fmt_kg, fmt_kwh, fmt_time
 from scheduler_service.console.repository import GpuUseRow
 from scheduler_service.console.router import STATIC_DIR
-from scheduler_service.console.service import gpus_in_use_series, period_bounds
+from scheduler_service.console.service import (
+    gpus_in_use_series,
+    hot_switches,
+    plan_info,
+    planned_gpus,
+)
 from scheduler_service.console.session import COOKIE_NAME
+from scheduler_service.db.models import JobEvent, Plan
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from tests.browser.conftest import REPO_ROOT, SeededDb, fresh_client
 
@@ -243,6 +249,9 @@ def test_users_see_only_their_own_jobs_and_no_actions_on_others(seeded_db: Seede
         assert "bert-finetune" not in nodes
         overview = client.get("/console").text
         assert "bert-finetune" not in overview  # alice's events are not bob's to see
+        assert "needs about 22 h on its maximum of 2 GPUs" in overview  # the planner's reason
+        carbon = client.get("/console/carbon").text
+        assert "Planned GPUs" in carbon
         assert job_state(client, seeded.operator_token, seeded.running_job_id)["state"] == "RUNNING"
 
 
@@ -306,20 +315,51 @@ def test_filters_and_sorting(app_client: TestClient, seeded_db: SeededDb) -> Non
     assert "unknown state" in odd.text and "cannot sort by" in odd.text
 
 
-def test_period_bounds() -> None:
-    at = datetime(2026, 2, 18, 15, 30, tzinfo=UTC)  # a Wednesday
-    assert period_bounds("day", at) == (
-        datetime(2026, 2, 18, tzinfo=UTC),
-        datetime(2026, 2, 19, tzinfo=UTC),
+def test_planned_gpus_sum_jobs_and_close_the_horizon() -> None:
+    t0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    plan = Plan(
+        start_at=t0,
+        slot_s=600.0,
+        gpus_by_job={"1": [2, 4, 0], "2": [1, 1, 1]},
+        slots=[{}, {}, {}],
+        deadline_misses={"2": "too little time", "9": "someone else's"},
     )
-    assert period_bounds("week", at) == (
-        datetime(2026, 2, 16, tzinfo=UTC),
-        datetime(2026, 2, 23, tzinfo=UTC),
-    )
-    assert period_bounds("month", datetime(2026, 12, 31, 23, 59, tzinfo=UTC)) == (
-        datetime(2026, 12, 1, tzinfo=UTC),
-        datetime(2027, 1, 1, tzinfo=UTC),
-    )
+    assert planned_gpus(plan) == [
+        (t0, 3.0),
+        (t0 + timedelta(minutes=10), 5.0),
+        (t0 + timedelta(minutes=20), 1.0),
+        (t0 + timedelta(minutes=30), 1.0),
+    ]
+    assert [g for _, g in planned_gpus(plan, "1")] == [2.0, 4.0, 0.0, 0.0]
+    plan.created_at = t0
+    plan.policy, plan.status, plan.energy_kwh, plan.emissions_kg = "greenflow", "OPTIMAL", 1.0, 0.2
+    plan.forecast_degraded = False
+    assert plan_info(plan, visible_job_ids={"1", "2"}).deadline_misses == {"2": "too little time"}
+
+
+def test_hot_switch_old_layout_falls_back_to_the_layout_before_it() -> None:
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    events = [
+        JobEvent(job_id=1, at=at, kind="allocation", details={"gpus": 2, "layout": "dp2"}),
+        JobEvent(
+            job_id=1,
+            at=at + timedelta(hours=1),
+            kind="hot_switch",
+            details={"from_gpus": 2, "to_gpus": 4, "layout": "dp4", "switch_s": 1.5},
+        ),
+        JobEvent(
+            job_id=1,
+            at=at + timedelta(hours=2),
+            kind="hot_switch",
+            details={"from_gpus": 4, "to_gpus": 1, "layout": "dp1"},
+        ),
+    ]
+    switches = hot_switches(events)
+    assert [(s.from_layout, s.to_layout, s.from_gpus, s.to_gpus) for s in switches] == [
+        ("dp2", "dp4", 2, 4),
+        ("dp4", "dp1", 4, 1),
+    ]
+    assert switches[0].switch_s == 1.5 and switches[1].switch_s is None
 
 
 def test_gpus_in_use_takes_each_jobs_peak_per_slot() -> None:
