@@ -190,9 +190,14 @@ def planned_gpus(plan: Plan, job_id: str | None = None) -> list[tuple[datetime, 
     rows = plan.gpus_by_job or {}
     counts = [rows.get(job_id, [])] if job_id is not None else list(rows.values())
     n_slots = max([len(plan.slots), *(len(c) for c in counts)])
+    if job_id is not None:
+        # One job: stop after its last planned GPU rather than running to the horizon at zero.
+        per_slot = counts[0]
+        n_slots = next((i + 1 for i in range(len(per_slot) - 1, -1, -1) if per_slot[i] > 0), 0)
+        n_slots = min(n_slots + 1, len(per_slot))
     totals = [0.0] * n_slots
     for per_slot in counts:
-        for index, gpus in enumerate(per_slot):
+        for index, gpus in enumerate(per_slot[:n_slots]):
             totals[index] += gpus
     points = [
         (plan.start_at + timedelta(seconds=i * plan.slot_s), totals[i]) for i in range(n_slots)

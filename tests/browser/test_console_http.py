@@ -330,7 +330,14 @@ def test_planned_gpus_sum_jobs_and_close_the_horizon() -> None:
         (t0 + timedelta(minutes=20), 1.0),
         (t0 + timedelta(minutes=30), 1.0),
     ]
+    # One job's plan ends one slot after its last GPU (the drop to zero), not at the horizon.
     assert [g for _, g in planned_gpus(plan, "1")] == [2.0, 4.0, 0.0, 0.0]
+    plan.gpus_by_job = {"1": [2, 0, 0, 0, 0, 0]}
+    assert planned_gpus(plan, "1") == [
+        (t0, 2.0),
+        (t0 + timedelta(minutes=10), 0.0),
+        (t0 + timedelta(minutes=20), 0.0),
+    ]
     plan.created_at = t0
     plan.policy, plan.status, plan.energy_kwh, plan.emissions_kg = "greenflow", "OPTIMAL", 1.0, 0.2
     plan.forecast_degraded = False

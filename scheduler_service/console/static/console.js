@@ -87,7 +87,7 @@
     var grid = cssVar("--chart-grid");
     var scaleNames = Object.keys(spec.scales);
     var scales = { x: { time: true } };
-    var axes = [{ stroke: text, grid: { stroke: grid }, ticks: { stroke: grid }, values: timeTicks }];
+    var axes = [{ stroke: text, grid: { stroke: grid }, ticks: { stroke: grid }, values: timeTicks, space: 90 }];
     scaleNames.forEach(function (name, i) {
       var info = spec.scales[name];
       scales[name] = {
