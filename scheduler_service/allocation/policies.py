@@ -39,7 +39,7 @@ POLICIES: dict[str, Policy] = {
 ADMISSION_CONTROL: frozenset[str] = frozenset({"greenflow", "carbon-agnostic"})
 
 
-class UnknownPolicy(KeyError):
+class UnknownPolicy(ValueError):
     """No policy of that name (the message lists the known ones)."""
 
 

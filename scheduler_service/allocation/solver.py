@@ -7,8 +7,9 @@ Why these solvers (measured on the 2-core dev machine, see docs/allocation.md):
 - Rounding the LP slot by slot (tracking the LP's cumulative progress targets and per-slot carbon
   allowances, preferring each job's previous count) gives an integer plan within a small gap of
   the LP bound at scale; this is the path that keeps 1,000+ jobs fast.
-- Small problems (few binaries) are solved exactly as a MIP with SCIP, warm-started with the
-  rounded plan; CP-SAT needs integer coefficients and 8+ workers to shine, SCIP does not.
+- Small problems (few binaries), and the slots up to the nearest deadlines, are solved exactly
+  as a MIP with HiGHS (measured 1.4-2x faster than SCIP on our small time-indexed MIPs). CP-SAT is
+  not used: the model has continuous progress variables, which CP-SAT cannot represent.
 The objective is lexicographic through weights: deadline misses first, then priority-weighted
 completion time, then carbon (at the problem's price) and GPU-count changes.
 """
@@ -35,7 +36,7 @@ from scheduler_service.allocation.problem import (
 )
 
 # Above this many binaries the exact MIP is skipped: LP + rounding is used alone.
-EXACT_MAX_BINARIES = 1500
+EXACT_MAX_BINARIES = 150
 
 
 class SolverError(RuntimeError):
@@ -78,19 +79,6 @@ def solve_lp(problem: AllocationProblem, arrays: PlanArrays) -> LpResult:
     return LpResult(bound=bound, x=np.clip(x, 0.0, 1.0), cumulative=cumulative)
 
 
-def _gpus_to_hint(
-    built: BuiltModel, problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]
-) -> list[tuple[int, float]]:
-    hints = []
-    for o, (j, k) in enumerate(zip(built.opt_job, built.opt_k, strict=True)):
-        job = problem.jobs[j]
-        counts = gpus[job.job_id]
-        for t in range(built.num_slots):
-            value = 1.0 if counts[t] == job.allowed_gpus[k] else 0.0
-            hints.append((built.x_start + o * built.num_slots + t, value))
-    return hints
-
-
 def solve_mip(
     problem: AllocationProblem,
     arrays: PlanArrays,
@@ -98,17 +86,16 @@ def solve_mip(
     time_limit_s: float,
     seed: int,
 ) -> tuple[dict[str, tuple[int, ...]] | None, float | None, bool]:
-    """Exact MIP with SCIP: (GPU matrix or None, best bound, proven optimal)."""
+    """Exact MIP with HiGHS: (GPU matrix or None, best bound, proven optimal)."""
     built = build_model(problem, arrays, with_changes=True)
     model = _to_model(built, integer=True)
-    if hint is not None:
-        variables = model.get_variables()
-        for index, value in _gpus_to_hint(built, problem, hint):
-            model.add_hint(variables[index], value)
-    solver = mb.Solver("scip")
+    # No solution hint: OR-Tools 9.15 segfaults passing hints to HiGHS (reproduced here). The
+    # warm start lives on as a candidate plan that the MIP's answer must beat (see `solve`).
+    del hint
+    solver = mb.Solver("highs")
     solver.set_time_limit_in_seconds(max(time_limit_s, 0.05))
     solver.set_solver_specific_parameters(
-        f"randomization/randomseedshift = {int(seed)}\nlimits/gap = 1e-6\n"
+        f"output_flag=false\nthreads=1\nrandom_seed={int(seed)}\nmip_rel_gap=1e-4\n"
     )
     status = solver.solve(model)
     if status not in (mb.SolveStatus.OPTIMAL, mb.SolveStatus.FEASIBLE):

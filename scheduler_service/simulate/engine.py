@@ -23,7 +23,7 @@ import numpy as np
 from energy_model.carbon.series import IntensitySeries
 from energy_model.emissions import energy_kwh, facility_energy_kwh, interval_emissions_kg
 from energy_model.profiles import ScalingProfile
-from scheduler_service.allocation.policies import ADMISSION_CONTROL, get_policy
+from scheduler_service.allocation.policies import ADMISSION_CONTROL, UnknownPolicy, get_policy
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
@@ -72,7 +72,10 @@ class SimulationConfig:
             raise SimulationError("switch_s must be >= 0 and shorter than a slot")
         if self.forecast_error < 0 or self.model_error < 0:
             raise SimulationError("forecast_error and model_error must be >= 0")
-        get_policy(self.policy)
+        try:
+            get_policy(self.policy)
+        except UnknownPolicy as exc:
+            raise SimulationError(str(exc)) from None
 
     @property
     def capacity_gpus(self) -> int:
@@ -216,6 +219,7 @@ def simulate_trace(
     busy_gpu_s = 0.0
     now = start_s
     ticks = 0
+    idle_ticks = 0
     last_activity_s = start_s
     while ticks < config.max_ticks:
         # Arrivals up to now join at this boundary.
@@ -253,6 +257,16 @@ def simulate_trace(
         solver_times.append(time.perf_counter() - began)
         previous = plan
         ticks += 1
+        used = sum(plan.gpus[j][0] for j in active)
+        if used > config.capacity_gpus:
+            raise SimulationError(
+                f"policy {config.policy} planned {used} GPUs on a {config.capacity_gpus}-GPU cluster"
+            )
+        idle_ticks = idle_ticks + 1 if used == 0 else 0
+        if idle_ticks > 2 * config.horizon_slots and next_arrival >= len(pending):
+            # Nothing has run for two horizons and nothing else will arrive (e.g. the budget is
+            # spent for good): stop; the jobs left are reported unfinished.
+            break
         # Event-driven like ElasticFlow's simulator: apply slot one until the slot ends, a job
         # arrives or a job finishes, whichever comes first, then re-plan.
         moves: dict[str, tuple[int, float]] = {}

@@ -1,0 +1,230 @@
+"""Trace replay on small hand-made traces (exact figures) and on a slice of the public traces."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from energy_model.carbon.series import IntensitySeries, load_intensity_csv
+from energy_model.power import job_power_w
+from energy_model.profiles import load_scaling_profiles
+from scheduler_service.allocation.policies import POLICIES
+from scheduler_service.simulate.cli import simulate
+from scheduler_service.simulate.engine import (
+    CarbonClock,
+    SimulationConfig,
+    SimulationError,
+    simulate_trace,
+)
+from scheduler_service.simulate.trace import TraceError, load_trace
+
+T0 = datetime(2021, 1, 1, tzinfo=UTC)
+HEADER = "job_id,submission_time,num_iteration,model_name,deadline,batch_size,num_gpu,duration\n"
+
+
+def write_profiles(root: Path) -> Path:
+    """One model: 10 it/s on 1 GPU, 18 on 2, 30 on 4 at global batch 32."""
+    folder = root / "profiles"
+    folder.mkdir()
+    (folder / "toy.csv").write_text("global_batch_size,1,2,4\n32,10,18,30\n")
+    return folder
+
+
+def write_series(root: Path, values: list[float]) -> Path:
+    path = root / "carbon.csv"
+    rows = [f"{(T0 + timedelta(hours=i)).isoformat()},{v}" for i, v in enumerate(values)]
+    path.write_text("time,intensity\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def write_trace(root: Path, rows: list[str]) -> Path:
+    path = root / "trace.csv"
+    path.write_text(HEADER + "\n".join(rows) + "\n")
+    return path
+
+
+def test_static_job_figures_are_exact(tmp_path: Path) -> None:
+    profiles = load_scaling_profiles(write_profiles(tmp_path))
+    # 2 h, 1 h, 2 h, ... of 100 / 500 g/kWh; the 3-hour series wraps around.
+    series = load_intensity_csv(write_series(tmp_path, [100.0, 500.0, 100.0]))
+    # 30 it/s on 4 GPUs: 108,000 iterations take exactly 3,600 s.
+    jobs = load_trace(write_trace(tmp_path, ["a,7200,108000,toy,,32,4,3600"]))
+    config = SimulationConfig(policy="static", num_nodes=1, gpus_per_node=4, slot_s=900.0)
+    report = simulate_trace(jobs, series, profiles, config)
+    power_w = job_power_w(4, 30 * 32, 10 * 32)
+    assert report.finished == 1 and report.avg_jct_s == pytest.approx(3600.0)
+    assert report.energy_kwh == pytest.approx(power_w / 1000.0)
+    # Trace time 7,200 s is the third hour of the series (100 g/kWh).
+    assert report.emissions_kg == pytest.approx(power_w / 1000.0 * 0.1)
+    assert report.gpu_changes == 0
+
+
+def test_carbon_series_wraps_around(tmp_path: Path) -> None:
+    series = IntensitySeries((T0, T0 + timedelta(hours=1)), (100.0, 500.0), source="test")
+    clock = CarbonClock(series, pue=1.0)
+    # Hours 2-3 of the trace are hour 0 of the series again: 1 W for 1 h at 100 g/kWh.
+    assert clock.kg_per_w(7200.0, 10800.0) == pytest.approx(1e-3 * 0.1)
+    assert clock.kg_per_w(3000.0, 4200.0) == pytest.approx(
+        1e-3 * (600 * 100 + 600 * 500) / 3600 / 1000
+    )
+
+
+def test_deadline_counts_only_if_admitted_and_met(tmp_path: Path) -> None:
+    profiles = load_scaling_profiles(write_profiles(tmp_path))
+    series = load_intensity_csv(write_series(tmp_path, [200.0] * 24))
+    # b needs 3,600 s even on 4 GPUs but has 1,800 s: ElasticFlow-style admission rejects it.
+    trace = write_trace(
+        tmp_path,
+        ["a,0,10800,toy,7200,32,1,3600", "b,0,108000,toy,1800,32,4,3600"],
+    )
+    jobs = load_trace(trace)
+    for policy in ("carbon-agnostic", "greenflow"):
+        config = SimulationConfig(policy=policy, num_nodes=1, gpus_per_node=4, slot_s=600.0)
+        report = simulate_trace(jobs, series, profiles, config)
+        outcomes = {o.job_id: o for o in report.outcomes}
+        assert not outcomes["b"].admitted and "fastest" in outcomes["b"].reject_reason
+        assert outcomes["a"].deadline_met is True
+        assert report.deadline_met_ratio == pytest.approx(0.5)
+    static = simulate_trace(
+        jobs, series, profiles, SimulationConfig(policy="static", num_nodes=1, gpus_per_node=4)
+    )
+    # Static admits b, runs it, and still misses its deadline.
+    assert {o.job_id: o.deadline_met for o in static.outcomes}["b"] is False
+
+
+def test_hard_budget_is_never_overspent(tmp_path: Path) -> None:
+    profiles = load_scaling_profiles(write_profiles(tmp_path))
+    series = load_intensity_csv(write_series(tmp_path, [400.0, 50.0] * 24))
+    rows = [f"j{i},{i * 600},{36000 * (1 + i % 3)},toy,,32,2,3600" for i in range(6)]
+    jobs = load_trace(write_trace(tmp_path, rows))
+    free = simulate_trace(
+        jobs, series, profiles, SimulationConfig(policy="greenflow", num_nodes=1, gpus_per_node=4)
+    )
+    budget_kg = free.emissions_kg * 0.5
+    for policy in POLICIES:
+        config = SimulationConfig(
+            policy=policy,
+            num_nodes=1,
+            gpus_per_node=4,
+            budget_kg=budget_kg,
+            budget_period="day",
+            horizon_slots=12,
+        )
+        report = simulate_trace(jobs, series, profiles, config)
+        assert report.budget_violations == 0, policy
+        assert report.emissions_kg <= budget_kg * (1 + 1e-6), policy
+
+
+def test_forecast_and_model_error_runs_are_deterministic(tmp_path: Path) -> None:
+    profiles = load_scaling_profiles(write_profiles(tmp_path))
+    series = load_intensity_csv(write_series(tmp_path, [300.0, 80.0, 120.0, 500.0] * 6))
+    rows = [f"j{i},{i * 900},{20000 + 5000 * i},toy,{i * 900 + 20000},32,1,3600" for i in range(5)]
+    jobs = load_trace(write_trace(tmp_path, rows))
+    config = SimulationConfig(
+        policy="greenflow",
+        num_nodes=1,
+        gpus_per_node=4,
+        forecast_error=0.3,
+        model_error=0.2,
+        carbon_price_s_per_kg=1e4,
+        seed=7,
+    )
+    first = simulate_trace(jobs, series, profiles, config)
+    second = simulate_trace(jobs, series, profiles, config)
+    assert first.summary()["emissions_kg"] == second.summary()["emissions_kg"]
+    assert first.finished == 5
+
+
+def test_bad_inputs_raise_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(SimulationError, match="policy"):
+        SimulationConfig(policy="nope", num_nodes=1, gpus_per_node=1)
+    with pytest.raises(TraceError, match="missing columns"):
+        bad = tmp_path / "bad.csv"
+        bad.write_text("job_id,submission_time\nx,0\n")
+        load_trace(bad)
+    profiles = load_scaling_profiles(write_profiles(tmp_path))
+    series = load_intensity_csv(write_series(tmp_path, [100.0]))
+    jobs = load_trace(write_trace(tmp_path, ["a,0,100,unknown_model,,32,1,10"]))
+    with pytest.raises(TraceError, match="unknown_model"):
+        simulate_trace(jobs, series, profiles, SimulationConfig("static", 1, 1))
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command(name="simulate")(simulate)
+    app.command(name="noop")(lambda: None)  # a second command keeps `simulate` a subcommand
+    return app
+
+
+def test_cli_writes_the_report_and_rejects_bad_input(tmp_path: Path) -> None:
+    profiles = write_profiles(tmp_path)
+    carbon = write_series(tmp_path, [100.0, 300.0] * 12)
+    trace = write_trace(tmp_path, ["a,0,36000,toy,5000,32,1,3600", "b,100,3600,toy,,32,1,360"])
+    out = tmp_path / "report.json"
+    base = ["simulate", "--jobs", str(trace), "--carbon", str(carbon), "--profiles", str(profiles)]
+    runner = CliRunner()
+    result = runner.invoke(
+        _app(), [*base, "--cluster", "1x4", "--policy", "greenflow", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    for key in (
+        "deadline_met_ratio",
+        "avg_jct_s",
+        "p95_jct_s",
+        "energy_kwh",
+        "emissions_kg",
+        "budget_violations",
+        "gpu_utilisation",
+        "gpu_changes",
+        "solver_s_mean",
+    ):
+        assert key in payload
+    assert payload["finished"] == 2
+    bad_cluster = runner.invoke(
+        _app(), [*base, "--cluster", "4", "--policy", "static", "--out", str(out)]
+    )
+    assert bad_cluster.exit_code == 2 and "NODESxGPUS_PER_NODE" in bad_cluster.output
+    bad_policy = runner.invoke(
+        _app(), [*base, "--cluster", "1x4", "--policy", "fifo", "--out", str(out)]
+    )
+    assert bad_policy.exit_code == 2 and "fifo" in bad_policy.output
+    missing = runner.invoke(
+        _app(),
+        [
+            "simulate",
+            "--jobs",
+            str(tmp_path / "none.csv"),
+            "--carbon",
+            str(carbon),
+            "--profiles",
+            str(profiles),
+            "--cluster",
+            "1x4",
+            "--policy",
+            "static",
+            "--out",
+            str(out),
+        ],
+    )
+    assert missing.exit_code == 2 and "no such trace file" in missing.output
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_policies_replay_a_slice_of_a_public_trace(shared_data: Path, policy: str) -> None:
+    ef = shared_data / "elasticflow"
+    jobs = load_trace(ef / "itp" / "cluster01.csv", limit=15)
+    series = load_intensity_csv(shared_data / "carbon" / "electricitymaps" / "ES_2021_hourly.csv")
+    profiles = load_scaling_profiles(ef / "throughputs_A100")
+    config = SimulationConfig(policy=policy, num_nodes=2, gpus_per_node=8, time_limit_s=1.0)
+    report = simulate_trace(jobs, series, profiles, config)
+    assert report.jobs == 15
+    # Every admitted job finishes (no budget), and none is counted twice.
+    assert report.finished == report.admitted
+    assert 0.0 <= report.deadline_met_ratio <= 1.0 and report.emissions_kg > 0
+    assert 0.0 < report.gpu_utilisation <= 1.0
