@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -45,21 +45,25 @@ MIN_SAMPLE_INTERVAL_S = 0.05
 
 
 class ResumableJobRunner(JobRunner):
-    """JobRunner that can also start from a gathered full state (resume after a pause).
+    """JobRunner that can start from a gathered full state (resume after a pause).
 
-    Works around the runtime having no public "start from state" yet: it starts fresh workers,
-    then loads each rank's shard of the saved logical tensors through the workers' `restore`
-    command, which the runtime already uses for its own snapshot rollback.
+    Uses the runtime's `JobRunner.start_from_state` when this checkout has it; otherwise falls
+    back to starting fresh workers and loading each rank's shard of the saved logical tensors
+    through the workers' `restore` command (the one the runtime uses for its snapshot rollback).
     """
 
-    def start_from_state(
+    def resume_from(
         self,
         job_spec: JobSpec,
         gpus: Sequence[GpuSlot],
         state: dict[str, torch.Tensor],
         step: int,
+        native: bool = True,
     ) -> Layout:
         """Start workers on `gpus` holding `state` (from gather_state) at optimizer step `step`."""
+        runtime_resume = getattr(JobRunner, "start_from_state", None)
+        if native and runtime_resume is not None:
+            return cast(Layout, runtime_resume(self, job_spec, gpus, state, step))
         layout = self.start(job_spec, gpus)
         calls = []
         for rank, handle in enumerate(self._ranks):
@@ -186,9 +190,7 @@ class ManagedJob:
         gpu_slots = [GpuSlot(self.node, i) for i in slots]
         try:
             if self.paused is not None:
-                runner.start_from_state(
-                    self.job_spec, gpu_slots, self.paused.state, self.paused.step
-                )
+                runner.resume_from(self.job_spec, gpu_slots, self.paused.state, self.paused.step)
             else:
                 runner.start(self.job_spec, gpu_slots)
         except BaseException:

@@ -278,7 +278,7 @@ def test_stop_frees_slots(node: Node) -> None:
 
 def test_job_finishing_by_itself_reports_finished(node: Node) -> None:
     spec = {"workload": "gpt-tiny", "global_batch_size": 8, "total_samples": 8 * 20}
-    resp = node.allocate(2, 1, [2, 1], spec)  # the slots job 1 freed
+    resp = node.allocate(2, 1, [2], spec)  # the slot job 1 freed
     assert resp.status_code == 200, resp.text
     pids = resp.json()["worker_pids"]
     node.fake.wait_for(lambda: any(s.finished for s in node.fake.job_samples(2)), timeout_s=90)
@@ -300,7 +300,7 @@ def test_heartbeat_404_makes_agent_register_again(node: Node) -> None:
 
 
 def test_sigterm_stops_workers_and_exits_zero(node: Node) -> None:
-    resp = node.allocate(3, 1, [0, 1])
+    resp = node.allocate(3, 1, [0])
     assert resp.status_code == 200, resp.text
     workers = resp.json()["worker_pids"]
     below = descendants(node.proc.pid)

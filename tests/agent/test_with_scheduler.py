@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 CONFIG = """
 [planner]
-slot_s = 60
-horizon_s = 3600
+slot_s = 5
+horizon_s = 120
 solver_time_limit_s = 2.0
 
 [cluster]
