@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Select, and_, func, not_, or_, select
+from sqlalchemy import Integer, Select, and_, cast, extract, func, not_, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from scheduler_service.db.models import (
@@ -47,11 +48,33 @@ class EventRow:
 
 @dataclass(frozen=True)
 class GpuUseRow:
-    """How many GPUs one job reported using at one time."""
+    """The most GPUs one job reported in one time bucket (bucket n starts n x bucket_s after 1970)."""
 
-    at: datetime
+    bucket: int
     job_id: int
     gpus: int
+
+
+@dataclass(frozen=True)
+class TelemetryBucket:
+    """A job's telemetry over one time bucket: first and last report, peak GPUs, mean rate and power."""
+
+    first_at: datetime
+    last_at: datetime
+    interval_s: float
+    gpus: int
+    samples_per_s: float
+    power_w: float
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """A telemetry report whose GPU count or layout differs from the report before it."""
+
+    at: datetime
+    interval_s: float
+    gpus: int
+    layout: str | None
 
 
 @dataclass(frozen=True)
@@ -188,12 +211,81 @@ class ConsoleRepository:
 
     # Telemetry and allocations --------------------------------------------------------------
 
-    def telemetry(self, job_id: int, *, since: datetime | None = None) -> list[TelemetrySample]:
-        """A job's telemetry samples in time order."""
-        stmt = select(TelemetrySample).where(TelemetrySample.job_id == job_id)
-        if since is not None:
-            stmt = stmt.where(TelemetrySample.at >= since)
-        return list(self.session.scalars(stmt.order_by(TelemetrySample.at)))
+    def _bucket(self, column: Any, bucket_s: int) -> Any:
+        """The bucket index (seconds since 1970 floor-divided by bucket_s) of a timestamp column."""
+        if self.session.get_bind().dialect.name == "sqlite":
+            # SQLite stores naive UTC text; integer division of integers floors.
+            return cast(func.strftime("%s", column), Integer) // bucket_s
+        return func.floor(extract("epoch", column) / bucket_s)
+
+    def telemetry_span(self, job_id: int) -> tuple[datetime | None, datetime | None]:
+        """The first and last report time of a job's telemetry."""
+        row = self.session.execute(
+            select(func.min(TelemetrySample.at), func.max(TelemetrySample.at)).where(
+                TelemetrySample.job_id == job_id
+            )
+        ).one()
+        return row[0], row[1]
+
+    def telemetry_buckets(self, job_id: int, *, bucket_s: int) -> list[TelemetryBucket]:
+        """A job's telemetry aggregated per time bucket, in time order (charts stay small)."""
+        bucket = self._bucket(TelemetrySample.at, bucket_s).label("bucket")
+        stmt = (
+            select(
+                func.min(TelemetrySample.at),
+                func.max(TelemetrySample.at),
+                func.max(TelemetrySample.interval_s),
+                func.max(TelemetrySample.gpus),
+                func.avg(TelemetrySample.samples_per_s),
+                func.avg(TelemetrySample.power_w),
+            )
+            .where(TelemetrySample.job_id == job_id)
+            .group_by(bucket)
+            .order_by(bucket)
+        )
+        return [
+            TelemetryBucket(
+                first_at=first,
+                last_at=last,
+                interval_s=float(interval),
+                gpus=int(gpus),
+                samples_per_s=float(rate),
+                power_w=float(power),
+            )
+            for first, last, interval, gpus, rate, power in self.session.execute(stmt)
+        ]
+
+    def layout_changes(self, job_id: int) -> list[LayoutChange]:
+        """The reports at which a job's GPU count or layout changed (the first report included)."""
+        order = (TelemetrySample.at, TelemetrySample.id)
+        inner = (
+            select(
+                TelemetrySample.at,
+                TelemetrySample.interval_s,
+                TelemetrySample.gpus,
+                TelemetrySample.layout,
+                func.lag(TelemetrySample.gpus).over(order_by=order).label("prev_gpus"),
+                func.lag(TelemetrySample.layout).over(order_by=order).label("prev_layout"),
+                func.row_number().over(order_by=order).label("n"),
+            )
+            .where(TelemetrySample.job_id == job_id)
+            .subquery()
+        )
+        stmt = (
+            select(inner.c.at, inner.c.interval_s, inner.c.gpus, inner.c.layout)
+            .where(
+                or_(
+                    inner.c.n == 1,
+                    inner.c.prev_gpus != inner.c.gpus,
+                    inner.c.prev_layout.is_distinct_from(inner.c.layout),
+                )
+            )
+            .order_by(inner.c.at)
+        )
+        return [
+            LayoutChange(at=at, interval_s=float(interval), gpus=gpus, layout=layout)
+            for at, interval, gpus, layout in self.session.execute(stmt)
+        ]
 
     def recent_telemetry(self, job_id: int, *, limit: int) -> list[TelemetrySample]:
         """A job's newest telemetry samples, oldest of them first."""
@@ -219,16 +311,18 @@ class ConsoleRepository:
         )
         return float(self.session.scalar(stmt) or 0.0)
 
-    def gpu_use(self, *, since: datetime, until: datetime) -> list[GpuUseRow]:
-        """GPU counts every job reported between two times, in time order."""
+    def gpu_use(self, *, since: datetime, until: datetime, bucket_s: int) -> list[GpuUseRow]:
+        """Per time bucket and job, the most GPUs the job reported between two times."""
+        bucket = self._bucket(TelemetrySample.at, bucket_s).label("bucket")
         stmt = (
-            select(TelemetrySample.at, TelemetrySample.job_id, TelemetrySample.gpus)
+            select(bucket, TelemetrySample.job_id, func.max(TelemetrySample.gpus))
             .where(TelemetrySample.at >= since, TelemetrySample.at < until)
-            .order_by(TelemetrySample.at)
+            .group_by(bucket, TelemetrySample.job_id)
+            .order_by(bucket)
         )
         return [
-            GpuUseRow(at=at, job_id=job_id, gpus=gpus)
-            for at, job_id, gpus in self.session.execute(stmt)
+            GpuUseRow(bucket=int(b), job_id=job_id, gpus=int(gpus))
+            for b, job_id, gpus in self.session.execute(stmt)
         ]
 
     def allocations(self, job_id: int) -> list[Allocation]:

@@ -13,7 +13,12 @@ from sqlalchemy.orm import Session
 
 from scheduler_service.auth.service import Principal
 from scheduler_service.budget.periods import period_containing
-from scheduler_service.console.repository import ConsoleRepository, EventRow, GpuUseRow
+from scheduler_service.console.repository import (
+    ConsoleRepository,
+    EventRow,
+    GpuUseRow,
+    LayoutChange,
+)
 from scheduler_service.db.models import (
     Allocation,
     CarbonIntensitySample,
@@ -105,14 +110,14 @@ def dedupe_by_time(samples: Iterable[CarbonIntensitySample]) -> list[tuple[datet
 
 
 def gpus_in_use_series(
-    rows: Iterable[GpuUseRow], *, since: datetime, until: datetime, bucket_s: float
+    rows: Iterable[GpuUseRow], *, since: datetime, until: datetime, bucket_s: int
 ) -> list[tuple[datetime, int]]:
     """GPUs in use per clock-aligned time bucket: the sum over jobs of the most each reported in it."""
     first = math.floor(since.timestamp() / bucket_s)
     last = math.floor(until.timestamp() / bucket_s)
     per_bucket: dict[int, dict[int, int]] = defaultdict(dict)
     for row in rows:
-        jobs = per_bucket[math.floor(row.at.timestamp() / bucket_s)]
+        jobs = per_bucket[row.bucket]
         jobs[row.job_id] = max(jobs.get(row.job_id, 0), row.gpus)
     return [
         (
@@ -135,17 +140,25 @@ class Segment:
     layout: str | None
 
 
-def layout_segments(samples: Sequence[TelemetrySample]) -> list[Segment]:
-    """Consecutive telemetry samples with the same GPU count and layout, merged."""
-    segments: list[Segment] = []
-    for sample in samples:
-        start = sample.at - timedelta(seconds=sample.interval_s)
-        last = segments[-1] if segments else None
-        if last is not None and (last.gpus, last.layout) == (sample.gpus, sample.layout):
-            segments[-1] = Segment(last.start, sample.at, last.gpus, last.layout)
-        else:
-            segments.append(Segment(start, sample.at, sample.gpus, sample.layout))
+def layout_segments(changes: Sequence[LayoutChange], last_at: datetime | None) -> list[Segment]:
+    """Stretches of one GPU count and layout: each change starts one, the next change ends it."""
+    starts = [c.at - timedelta(seconds=c.interval_s) for c in changes]
+    segments = []
+    for index, change in enumerate(changes):
+        end = starts[index + 1] if index + 1 < len(changes) else (last_at or change.at)
+        segments.append(Segment(starts[index], end, change.gpus, change.layout))
     return segments
+
+
+# Charts of one job plot at most about this many points, however long it has run.
+JOB_CHART_POINTS = 600
+
+
+def job_bucket_s(first_at: datetime | None, last_at: datetime | None) -> int:
+    """Bucket width for a job's charts: whole seconds, so that its history fits JOB_CHART_POINTS."""
+    if first_at is None or last_at is None:
+        return 1
+    return max(1, math.ceil((last_at - first_at).total_seconds() / JOB_CHART_POINTS))
 
 
 @dataclass(frozen=True)
@@ -503,9 +516,12 @@ def carbon_page(
     history = dedupe_by_time(repo.intensity_samples(region=region, since=since, until=now))
     record = repo.latest_forecast(region=region)
     forecast = _forecast_points(record.points) if record is not None else []
-    bucket_s = float(config.planner.slot_s)
+    bucket_s = config.planner.slot_s
     gpus = gpus_in_use_series(
-        repo.gpu_use(since=since, until=now), since=since, until=now, bucket_s=bucket_s
+        repo.gpu_use(since=since, until=now, bucket_s=bucket_s),
+        since=since,
+        until=now,
+        bucket_s=bucket_s,
     )
     plan = repo.latest_plan()
     lines = [
@@ -648,7 +664,9 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
     """A visible job's spec, timeline, GPU/layout history, throughput, energy and projection."""
     repo = ConsoleRepository(session)
     events = repo.job_events(job.id)
-    samples = repo.telemetry(job.id)
+    first_at, last_at = repo.telemetry_span(job.id)
+    buckets = repo.telemetry_buckets(job.id, bucket_s=job_bucket_s(first_at, last_at))
+    recent = repo.recent_telemetry(job.id, limit=RATE_WINDOW_SAMPLES)
     switches = hot_switches(events)
     plan = repo.latest_plan()
     marks = [
@@ -660,7 +678,7 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
         for s in switches
     ]
     # A sample reports the GPUs of the interval that ends at `at`: plot it from the interval's start.
-    gpu_points = [(s.at - timedelta(seconds=s.interval_s), float(s.gpus)) for s in samples]
+    gpu_points = [(b.first_at - timedelta(seconds=b.interval_s), float(b.gpus)) for b in buckets]
     gpu_lines = [(ChartSeries("GPUs", "GPUs", [], "gpus", "--chart-1", step=True), gpu_points)]
     planned = planned_gpus(plan, str(job.id)) if plan is not None else []
     if any(gpus > 0 for _, gpus in planned):
@@ -676,11 +694,11 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
         [
             (
                 ChartSeries("Throughput", "samples/s", [], "rate", "--chart-2"),
-                [(s.at, s.samples_per_s) for s in samples],
+                [(b.last_at, b.samples_per_s) for b in buckets],
             ),
             (
                 ChartSeries("Power", "W", [], "power", "--chart-3", dash=True),
-                [(s.at, s.power_w) for s in samples],
+                [(b.last_at, b.power_w) for b in buckets],
             ),
         ],
         {
@@ -689,21 +707,21 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
         },
         marks=marks,
     )
-    latest = samples[-1] if samples else None
+    latest = recent[-1] if recent else None
     return JobPage(
         job=job,
         total_samples=job_total_samples(job),
         events=events,
         hot_switches=switches,
         allocations=repo.allocations(job.id),
-        segments=layout_segments(samples),
+        segments=layout_segments(repo.layout_changes(job.id), last_at),
         gpu_chart=gpu_chart,
         rate_chart=rate_chart,
         energy_kwh=repo.job_energy_kwh(job.id),
         emissions_kg=repo.job_emissions_kg(job.id),
         latest_power_w=latest.power_w if latest else None,
         power_source=latest.power_source if latest else None,
-        projection=project_completion(job, samples[-RATE_WINDOW_SAMPLES:], now),
+        projection=project_completion(job, recent, now),
         plan=plan_info(plan, visible_job_ids={str(job.id)}) if plan is not None else None,
         plan_reason=(plan.deadline_misses or {}).get(str(job.id)) if plan is not None else None,
     )

@@ -14,18 +14,23 @@ from fastapi.testclient import TestClient
 from scheduler_service.auth.service import create_token
 from scheduler_service.auth.tokens import Role
 from scheduler_service.console.formatting import fmt_duration_s, fmt_kg, fmt_kwh, fmt_time
-from scheduler_service.console.repository import GpuUseRow
+from scheduler_service.console.repository import ConsoleRepository, GpuUseRow
 from scheduler_service.console.router import STATIC_DIR
 from scheduler_service.console.service import (
     gpus_in_use_series,
     hot_switches,
+    job_bucket_s,
+    layout_segments,
     plan_info,
     planned_gpus,
 )
 from scheduler_service.console.session import COOKIE_NAME
-from scheduler_service.db.models import JobEvent, Plan
+from scheduler_service.db import migrate
+from scheduler_service.db.models import Job, JobEvent, Plan, TelemetrySample
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
+from tests.api.conftest import POSTGRES_URL, _postgres_reachable, fresh_postgres_database
 from tests.browser.conftest import REPO_ROOT, SeededDb, fresh_client
+from tests.browser.seed import seed
 
 TEMPLATES = STATIC_DIR.parent / "templates"
 # Anything that would make the browser fetch from another origin.
@@ -369,14 +374,10 @@ def test_hot_switch_old_layout_falls_back_to_the_layout_before_it() -> None:
     assert switches[0].switch_s == 1.5 and switches[1].switch_s is None
 
 
-def test_gpus_in_use_takes_each_jobs_peak_per_slot() -> None:
+def test_gpus_in_use_series_fills_gaps_and_skips_the_empty_current_bucket() -> None:
     t0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-    rows = [
-        GpuUseRow(t0 + timedelta(seconds=10), 1, 2),
-        GpuUseRow(t0 + timedelta(seconds=200), 1, 4),
-        GpuUseRow(t0 + timedelta(seconds=250), 2, 1),
-        GpuUseRow(t0 + timedelta(seconds=700), 2, 3),
-    ]
+    b0 = int(t0.timestamp()) // 300
+    rows = [GpuUseRow(b0, 1, 4), GpuUseRow(b0, 2, 1), GpuUseRow(b0 + 2, 2, 3)]
     series = gpus_in_use_series(rows, since=t0, until=t0 + timedelta(seconds=900), bucket_s=300)
     # The bucket at `until` is still in progress and empty: left out rather than drawn as 0.
     assert series == [
@@ -384,10 +385,106 @@ def test_gpus_in_use_takes_each_jobs_peak_per_slot() -> None:
         (t0 + timedelta(seconds=300), 0),
         (t0 + timedelta(seconds=600), 3),
     ]
-    late = [*rows, GpuUseRow(t0 + timedelta(seconds=901), 1, 2)]
+    late = [*rows, GpuUseRow(b0 + 3, 1, 2)]
     until = t0 + timedelta(seconds=950)
-    last = gpus_in_use_series(late, since=t0, until=until, bucket_s=300)[-1]
-    assert last == (t0 + timedelta(seconds=900), 2)
+    assert gpus_in_use_series(late, since=t0, until=until, bucket_s=300)[-1] == (
+        t0 + timedelta(seconds=900),
+        2,
+    )
+
+
+def _add_samples(url: str) -> tuple[int, datetime]:
+    """A job with 5 s telemetry for 30 min: 2 GPUs, then 4 (dp4), then 4 (tp2dp2); returns id, t0."""
+    t0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    engine = make_engine(url)
+    with transaction(make_session_factory(engine)) as session:
+        job = Job(
+            owner="alice",
+            name="agg",
+            workload="bert",
+            global_batch_size=8,
+            total_samples=10**6,
+            min_gpus=1,
+            max_gpus=4,
+            state="RUNNING",
+            created_at=t0,
+            updated_at=t0,
+        )
+        session.add(job)
+        session.flush()
+        for i in range(1, 361):
+            at = t0 + timedelta(seconds=5 * i)
+            gpus, layout = (2, "dp2") if i <= 120 else (4, "dp4") if i <= 240 else (4, "tp2dp2")
+            session.add(
+                TelemetrySample(
+                    sample_id=f"agg-{i}",
+                    job_id=job.id,
+                    at=at,
+                    interval_s=5.0,
+                    step=i,
+                    samples_done=100 * i,
+                    samples_per_s=10.0 * gpus,
+                    gpus=gpus,
+                    layout=layout,
+                    power_w=250.0 * gpus,
+                    energy_kwh=250.0 * gpus * 5 / 3.6e6,
+                    power_source="estimated",
+                ),
+            )
+        job_id = job.id
+    engine.dispose()
+    return job_id, t0
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_telemetry_is_aggregated_in_the_database(backend: str, tmp_path: Path) -> None:
+    drop = None
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'agg.db'}"
+    else:
+        if not _postgres_reachable():
+            pytest.skip(f"PostgreSQL not reachable at {POSTGRES_URL}")
+        url, drop = fresh_postgres_database(POSTGRES_URL)
+    try:
+        migrate.upgrade(url)
+        job_id, t0 = _add_samples(url)
+        engine = make_engine(url)
+        with make_session_factory(engine)() as session:
+            repo = ConsoleRepository(session)
+            use = repo.gpu_use(since=t0, until=t0 + timedelta(hours=1), bucket_s=300)
+            # Six 5-minute buckets; each job counts with its peak in the bucket.
+            assert [(r.bucket - int(t0.timestamp()) // 300, r.gpus) for r in use] == [
+                (0, 2),
+                (1, 2),
+                (2, 4),
+                (3, 4),
+                (4, 4),
+                (5, 4),
+                (6, 4),
+            ]
+            first, last = repo.telemetry_span(job_id)
+            assert (first, last) == (t0 + timedelta(seconds=5), t0 + timedelta(minutes=30))
+            bucket_s = job_bucket_s(first, last)
+            assert bucket_s == 3  # 1795 s over 600 points
+            buckets = repo.telemetry_buckets(job_id, bucket_s=60)
+            assert len(buckets) == 31
+            assert buckets[0].gpus == 2 and buckets[-1].gpus == 4
+            assert buckets[5].samples_per_s == pytest.approx(20.0)
+            assert buckets[5].power_w == pytest.approx(500.0)
+            changes = repo.layout_changes(job_id)
+            assert [(c.gpus, c.layout) for c in changes] == [(2, "dp2"), (4, "dp4"), (4, "tp2dp2")]
+            segments = layout_segments(changes, last)
+            assert [(s.start - t0, s.end - t0) for s in segments] == [
+                (timedelta(0), timedelta(minutes=10)),
+                (timedelta(minutes=10), timedelta(minutes=20)),
+                (timedelta(minutes=20), timedelta(minutes=30)),
+            ]
+        engine.dispose()
+    finally:
+        if drop is not None:
+            drop()  # type: ignore[operator]
 
 
 def test_numbers_carry_units_and_times_carry_utc() -> None:
@@ -398,3 +495,36 @@ def test_numbers_carry_units_and_times_carry_utc() -> None:
     html = str(fmt_time(datetime(2026, 3, 1, 9, 5, tzinfo=UTC)))
     assert 'datetime="2026-03-01T09:05:00+00:00"' in html
     assert 'title="2026-03-01 09:05:00 UTC"' in html
+
+
+@pytest.mark.postgres
+def test_every_page_renders_on_postgresql(tmp_path: Path) -> None:
+    if not _postgres_reachable():
+        pytest.skip(f"PostgreSQL not reachable at {POSTGRES_URL}")
+    url, drop = fresh_postgres_database(POSTGRES_URL)
+    try:
+        migrate.upgrade(url)
+        seeded = seed(url)
+        db = SeededDb(url=url, config_path=tmp_path / "unused.toml", seeded=seeded)
+        with fresh_client(db) as client:
+            sign_in(client, seeded.operator_token)
+            for path in (
+                "/console",
+                "/console/carbon",
+                "/console/jobs?state=RUNNING&sort=deadline&dir=asc",
+                f"/console/jobs/{seeded.running_job_id}",
+                "/console/nodes",
+            ):
+                page = client.get(path)
+                assert page.status_code == 200, path
+            job_page = client.get(f"/console/jobs/{seeded.running_job_id}").text
+            assert job_page.count('class="hot-switch"') == 2
+            assert "dp2-tp2 → dp3" in job_page
+            token = form_token(client, f"/console/jobs/{seeded.cancel_job_id}")
+            client.post(f"/console/jobs/{seeded.cancel_job_id}/cancel", data={"form_token": token})
+            assert job_state(client, seeded.operator_token, seeded.cancel_job_id)["state"] == (
+                "CANCELLED"
+            )
+            client.app.state.engine.dispose()  # type: ignore[attr-defined]
+    finally:
+        drop()  # type: ignore[operator]
