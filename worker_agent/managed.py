@@ -79,6 +79,16 @@ class ResumableJobRunner(JobRunner):
         return layout
 
 
+def short_error(message: str, limit: int = 500) -> str:
+    """A worker error without its tracebacks, short enough for a heartbeat."""
+    lines = [
+        line.strip()
+        for line in message.splitlines()
+        if line.strip() and not line.startswith((" ", "Traceback"))
+    ]
+    return " ".join(lines)[:limit]
+
+
 @dataclass
 class PausedState:
     """A paused job's full training state, kept in agent memory."""
@@ -252,7 +262,7 @@ class ManagedJob:
 
     def fail(self, message: str) -> None:
         """Record a worker failure and release whatever is left of the job's workers."""
-        self.error = message
+        self.error = short_error(message)
         if self.runner is not None:
             with contextlib.suppress(WorkerFailed):
                 self._halt()

@@ -290,6 +290,21 @@ def test_job_finishing_by_itself_reports_finished(node: Node) -> None:
     assert job.finished and job.gpus == 0 and job.worker_pids == []
 
 
+def test_dead_worker_fails_the_job_and_frees_its_slot(node: Node) -> None:
+    resp = node.allocate(4, 1, [1])
+    assert resp.status_code == 200, resp.text
+    (pid,) = resp.json()["worker_pids"]
+    os.kill(pid, signal.SIGKILL)
+    node.fake.wait_for(lambda: node.job(4).error is not None, timeout_s=30)
+    job = node.job(4)
+    assert job.gpus == 0 and job.worker_pids == [] and not job.finished
+    assert "died" in (job.error or "") and "Traceback" not in (job.error or "")
+    node.fake.wait_for(
+        lambda: any(j.job_id == 4 and j.error for hb in node.fake.heartbeats for j in hb.jobs)
+    )
+    assert node.allocate(4, 2, [1]).status_code == 409  # a failed job is not restarted here
+
+
 def test_heartbeat_404_makes_agent_register_again(node: Node) -> None:
     fake = node.fake
     count = len(fake.registrations)
