@@ -70,6 +70,9 @@ class ControlLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.ticks = 0
+        # When this replica became leader: heartbeats are judged only after a full timeout,
+        # so a scheduler restart does not declare every node lost.
+        self.leader_since: datetime | None = None
 
     def wake(self) -> None:
         """Ask for a tick as soon as possible (thread-safe: API handlers run in worker threads)."""
@@ -82,7 +85,11 @@ class ControlLoop:
         while not self._stopping:
             try:
                 if await asyncio.to_thread(self.leader.try_acquire):
+                    if self.leader_since is None:
+                        self.leader_since = utcnow()
                     await self.tick()
+                else:
+                    self.leader_since = None
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -116,7 +123,9 @@ class ControlLoop:
     def _plan(self, forecast: CarbonForecast, now: datetime) -> tuple[int, str | None]:
         with transaction(self.session_factory) as session:
             record_forecast(session, forecast)
-            mark_lost_nodes(session, timeout_s=self.config.cluster.heartbeat_timeout_s, now=now)
+            timeout_s = self.config.cluster.heartbeat_timeout_s
+            if self.leader_since is None or (now - self.leader_since).total_seconds() >= timeout_s:
+                mark_lost_nodes(session, timeout_s=timeout_s, now=now)
             charge_new_telemetry(session, self.config)
             dispatch.enforce_deadlines(session, now)
             dispatch.stop_finished_jobs(session)

@@ -184,7 +184,7 @@ class CarbonIntensitySample(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     region: Mapped[str] = mapped_column(String(100))
-    source: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(500))
     signal: Mapped[str] = mapped_column(String(32))
     at: Mapped[datetime]
     intensity_g_per_kwh: Mapped[float]
@@ -200,7 +200,7 @@ class CarbonForecastRecord(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     region: Mapped[str] = mapped_column(String(100))
-    source: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(500))
     signal: Mapped[str] = mapped_column(String(32))
     fetched_at: Mapped[datetime]
     degraded: Mapped[bool] = mapped_column(default=False)

@@ -36,11 +36,12 @@ def register(
 
 @router.post("/{name}/heartbeat", responses=error_responses(400, 404))
 def heartbeat(
-    name: NodeNamePath, body: Heartbeat, session: SessionDep, _agent: Agent
+    name: NodeNamePath, body: Heartbeat, session: SessionDep, _agent: Agent, request: Request
 ) -> HeartbeatAck:
     """Record a heartbeat; 404 tells the agent to register again."""
+    grace_s = 3 * request.app.state.agent_timing.heartbeat_interval_s
     try:
-        return service.heartbeat(session, name, body)
+        return service.heartbeat(session, name, body, grace_s=grace_s)
     except service.UnknownNode as exc:
         raise HTTPException(
             404, detail=f"node {name} is not registered (or was marked lost): register again"

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import GpuSlot, Job, JobEvent, Node
+from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, transition
 from scheduler_service.nodes.repository import NodeRepository
@@ -58,11 +59,13 @@ def register_node(session: Session, registration: NodeRegistration) -> Registrat
             slot.memory_mb = info.memory_mb
     for index, slot in existing.items():
         if index not in offered:
+            if slot.job_id is not None:
+                _requeue_job(
+                    session, slot.job_id, f"GPU slot {index} of node {node.name} went away"
+                )
             repo.delete_slot(slot)
-    if not created:
-        # An agent that (re)registers runs nothing yet: whatever the database thought ran there
-        # was lost with the old agent process; the jobs go back to the planner.
-        requeue_jobs_of_node(session, node, reason=f"node {node.name} re-registered")
+    # A returning node keeps what the database places on it; its next heartbeat says what
+    # really runs there, and heartbeat() reconciles the two.
     session.flush()
     return RegistrationResult(node, created)
 
@@ -79,6 +82,14 @@ def requeue_jobs_of_node(session: Session, node: Node, *, reason: str) -> list[i
     return job_ids
 
 
+def _requeue_job(session: Session, job_id: int, reason: str) -> None:
+    NodeRepository(session).release_job(job_id)
+    jobs = JobRepository(session)
+    job = jobs.get(job_id)
+    if job is not None and JobState(job.state) not in TERMINAL_STATES:
+        _requeue(jobs, job, reason)
+
+
 def _requeue(jobs: JobRepository, job: Job, reason: str) -> None:
     job.current_gpus = 0
     job.current_layout = None
@@ -88,21 +99,43 @@ def _requeue(jobs: JobRepository, job: Job, reason: str) -> None:
         jobs.add_event(JobEvent(job_id=job.id, kind="requeue", reason=reason))
 
 
-def heartbeat(session: Session, name: str, beat: Heartbeat) -> HeartbeatAck:
+def heartbeat(
+    session: Session, name: str, beat: Heartbeat, *, grace_s: float = 15.0
+) -> HeartbeatAck:
     """Record a heartbeat; tell the agent which of its jobs the scheduler no longer wants."""
     repo = NodeRepository(session)
     node = repo.by_name(name)
     if node is None or node.state == "lost":
         # A lost node must register again so the database view is rebuilt from scratch.
         raise UnknownNode(name)
-    node.last_heartbeat_at = utcnow()
+    now = utcnow()
+    node.last_heartbeat_at = now
     jobs = JobRepository(session)
     stop: list[int] = []
     held = {slot.job_id for slot in node.slots if slot.job_id is not None}
+    reported = {
+        running.job_id for running in beat.jobs if running.gpus > 0 and not running.finished
+    }
     for running in beat.jobs:
         job = jobs.get(running.job_id)
         if job is None or JobState(job.state) in TERMINAL_STATES or running.job_id not in held:
             stop.append(running.job_id)
+    # The database places these jobs here; if the agent no longer runs them (it restarted, or
+    # a worker died) and no command to it is in flight, they go back to the planner.
+    allocations = AllocationRepository(session)
+    for job_id in sorted(held - reported):
+        latest = allocations.latest(job_id)
+        if (
+            latest is not None
+            and latest.status == "acked"
+            and latest.gpus > 0
+            and latest.node_id == node.id
+        ):
+            _requeue_job(
+                session,
+                job_id,
+                f"not running on node {node.name} any more (agent restarted or job failed there)",
+            )
     return HeartbeatAck(stop_job_ids=sorted(set(stop)))
 
 
