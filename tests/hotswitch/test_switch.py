@@ -32,10 +32,10 @@ def _reference(
 
 
 def _run_chain(
-    spec: JobSpec, chain: list[tuple[int, Layout]]
+    spec: JobSpec, chain: list[tuple[int, Layout]], direct_min_run_bytes: int | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor], list[SwitchReport]]:
     reports: list[SwitchReport] = []
-    with JobRunner(snapshot_policy="none") as run:
+    with JobRunner(snapshot_policy="none", direct_min_run_bytes=direct_min_run_bytes) as run:
         gpus, layout = chain[0]
         run.start(spec, gpus, layout)
         losses = [loss for _, loss in run.train(STEPS)]
@@ -99,14 +99,15 @@ def test_gpt_switch_chain_matches_unswitched_run() -> None:
 
 
 def test_mlp_and_bert_switches_match_unswitched_runs() -> None:
+    """Also runs the executor's unpacked path: every multi-piece message goes run by run."""
     mlp = JobSpec(preset="mlp", n_layers=2, d_model=32, optimizer=OptimizerSpec(lr=3e-3))
     chain = [(1, Layout()), (2, Layout(tp=2)), (2, Layout(pp=2))]
-    losses, state, _ = _run_chain(mlp, chain)
+    losses, state, _ = _run_chain(mlp, chain, direct_min_run_bytes=0)
     ref_losses, ref_state = _reference(mlp, 1, Layout(), len(losses))
     _assert_same_trajectory(mlp, losses, state, ref_losses, ref_state)
 
     bert = JobSpec(preset="bert", n_layers=2, d_model=32, n_heads=4)
     chain = [(2, Layout(pp=2)), (2, Layout(dp=2))]
-    losses, state, _ = _run_chain(bert, chain)
+    losses, state, _ = _run_chain(bert, chain, direct_min_run_bytes=0)
     ref_losses, ref_state = _reference(bert, 2, Layout(pp=2), len(losses))
     _assert_same_trajectory(bert, losses, state, ref_losses, ref_state)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from worker_agent.runtime.errors import LayoutError
 from worker_agent.runtime.layout import Layout
@@ -47,3 +49,22 @@ def test_resize_while_training_in_the_background() -> None:
         stopped_at = run.step_progress().step
         time.sleep(0.2)
         assert run.step_progress().step == stopped_at
+
+
+def test_start_from_checkpoint_or_state_reshards_exactly(tmp_path: Path) -> None:
+    spec = JobSpec(preset="gpt", n_layers=2, d_model=32, n_heads=4)
+    with JobRunner(snapshot_policy="none") as run:
+        run.start(spec, 2, Layout(tp=2))
+        run.train(2)
+        state = run.gather_state()
+        ckpt = run.save_checkpoint(str(tmp_path))
+    with JobRunner(snapshot_policy="none") as restarted:
+        restarted.start(spec, 2, Layout(pp=2), checkpoint=ckpt)
+        assert restarted.step_progress().step == 2
+        got = restarted.gather_state()
+        assert all(torch.equal(got[k], state[k]) for k in state)
+        restarted.stop()
+        restarted.start(spec, 1, Layout(), state=(state, 2))
+        got = restarted.gather_state()
+        assert all(torch.equal(got[k], state[k]) for k in state)
+        assert restarted.train(1)[0][0] == 2

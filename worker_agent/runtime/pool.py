@@ -127,8 +127,10 @@ class JobRunner:
         timeout_s: float = 60.0,
         backend: str | None = None,
         store_host: str = "127.0.0.1",
+        direct_min_run_bytes: int | None = None,
     ) -> None:
         self.snapshot_policy = snapshot_policy
+        self.direct_min_run_bytes = direct_min_run_bytes
         self.timeout_s = timeout_s
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.store_host = store_host
@@ -159,8 +161,13 @@ class JobRunner:
         memory_per_gpu_bytes: float = 64 * 2**30,
         gpus_per_node: int | None = None,
         checkpoint: Checkpoint | None = None,
+        state: tuple[dict[str, torch.Tensor], int] | None = None,
     ) -> Layout:
-        """Start one worker per GPU slot in `layout` (or the chosen one), fresh or from a checkpoint."""
+        """Start one worker per GPU slot in `layout` (or the chosen one).
+
+        State is fresh, or read from `checkpoint` files, or taken from `state` = (the full
+        logical tensors as `gather_state()` returns them, the optimizer step they belong to).
+        """
         if self._ranks:
             raise RuntimeError("job already started; use resize() or stop()")
         slots = self._slots(gpus)
@@ -185,6 +192,22 @@ class JobRunner:
         self._join(handles)
         self._layout = layout
         self._step = 0
+        if state is not None:
+            tensors, step = state
+            calls = []
+            for r, h in enumerate(handles):
+                smap = shard_map(self._param_specs, self._n_blocks, layout, r)
+                flat = torch.empty(smap.n_state_elems)
+                for hold in smap.holdings():
+                    flat[hold.offset : hold.offset + hold.numel].copy_(
+                        tensors[hold.tensor][hold.start : hold.end]
+                    )
+                calls.append(
+                    (h, "restore", {"snap": flat, "layout": layout, "rank": r, "step": step})
+                )
+            self._call(calls)
+            self._step = step
+            return layout
         if checkpoint is None:
             self._call(
                 [(h, "init_state", {"layout": layout, "rank": r}) for r, h in enumerate(handles)]
@@ -222,12 +245,17 @@ class JobRunner:
             )
         return Checkpoint(self.layout, self._step, files)
 
-    def probe_p2p(self, pairs: list[tuple[int, int, int]], repeats: int = 3) -> float:
-        """Seconds for a plain batched p2p copy of (src_rank, dst_rank, bytes) between warm buffers."""
+    def probe_p2p(
+        self, pairs: list[tuple[int, int, int]], repeats: int = 3, fresh: bool = False
+    ) -> float:
+        """Median seconds of a plain batched p2p copy of (src_rank, dst_rank, bytes)."""
         elems = [(s, d, n // 4) for s, d, n in pairs]
         with self._lock:
             times = self._call(
-                [(h, "p2p_probe", {"pairs": elems, "repeats": repeats}) for h in self._ranks]
+                [
+                    (h, "p2p_probe", {"pairs": elems, "repeats": repeats, "fresh": fresh})
+                    for h in self._ranks
+                ]
             )
         return float(max(times))
 
@@ -390,6 +418,7 @@ class JobRunner:
                 backend=self.backend,
                 device_index=slot.index if self.backend == "nccl" else None,
                 timeout_s=self.timeout_s,
+                direct_min_run_bytes=self.direct_min_run_bytes,
             )
             self._next_id += 1
             proc = self._ctx.Process(target=worker_main, args=(child, cfg), daemon=True)

@@ -41,6 +41,8 @@ class WorkerConfig:
     device_index: int | None
     """CUDA device for NCCL; None for CPU workers."""
     timeout_s: float = 60.0
+    direct_min_run_bytes: int | None = None
+    """Switch messages: runs at least this large go unpacked (None: the executor's default)."""
     fail_at: str | None = None
     """Test hook: `"switch"` makes this worker exit abruptly in the middle of its next switch."""
 
@@ -128,7 +130,8 @@ class Worker:
         self.layout, self.rank, self.step = layout, rank, step
         self.smap = shard_map(self.specs, self.n_blocks, layout, rank)
         self.flat = flat
-        self.grad_flat = torch.zeros(self.smap.n_param_elems, device=self.device)
+        # The gradient buffer is allocated by the first step (not inside the switch).
+        self.grad_flat = None
         self.params = {}
         for ps in self.smap.params:
             view = flat[ps.offset : ps.offset + ps.end - ps.start].view(ps.local_shape)
@@ -182,7 +185,7 @@ class Worker:
         return [self._train_step() for _ in range(steps)]
 
     def _train_step(self) -> StepStats:
-        assert self.layout is not None and self.flat is not None and self.grad_flat is not None
+        assert self.layout is not None and self.flat is not None
         t0 = time.perf_counter()
         lay, c = self.layout, self.layout.coords(self.rank)
         gbs, mbs = self.spec.global_batch_size, self.spec.micro_batch_size
@@ -277,7 +280,9 @@ class Worker:
 
     def _optimizer_step(self) -> None:
         """Sum gradients over DP (the loss is already divided by the global batch), then AdamW."""
-        assert self.smap is not None and self.flat is not None and self.grad_flat is not None
+        assert self.smap is not None and self.flat is not None
+        if self.grad_flat is None:
+            self.grad_flat = torch.empty(self.smap.n_param_elems, device=self.device)
         g = self.grad_flat
         for ps in self.smap.params:
             p = self.params[ps.spec.name]
@@ -306,7 +311,13 @@ class Worker:
         if new_layout is not None:
             new_numel = shard_map(self.specs, self.n_blocks, new_layout, new_rank).n_state_elems
         new_flat, stats = execute_plan(
-            plan, self.cfg.worker_id, self.flat, new_numel, group_rank, self.buffers
+            plan,
+            self.cfg.worker_id,
+            self.flat,
+            new_numel,
+            group_rank,
+            self.buffers,
+            direct_min_run_bytes=self.cfg.direct_min_run_bytes,
         )
         self._pending = (new_layout, new_rank, new_flat, step)
         return stats
@@ -353,13 +364,21 @@ class Worker:
         self._build_groups()
         return time.perf_counter() - t0
 
-    def cmd_p2p_probe(self, pairs: list[tuple[int, int, int]], repeats: int) -> float:
-        """Seconds for a plain batched send/recv of (src_rank, dst_rank, numel) between warm buffers."""
+    def cmd_p2p_probe(self, pairs: list[tuple[int, int, int]], repeats: int, fresh: bool) -> float:
+        """Median seconds of a plain batched send/recv of (src_rank, dst_rank, numel).
+
+        Send buffers are warm; receive buffers are warm too unless `fresh`, in which case each
+        round receives into newly allocated memory, as a switch must for a new shard.
+        """
         me = dist.get_rank()
         mine = [(s, d, n) for s, d, n in pairs if me in (s, d)]
-        bufs = [torch.ones(n, device=self.device) for _, _, n in mine]
+        warm = [torch.ones(n, device=self.device) for _, _, n in mine]
 
         def once() -> float:
+            bufs = [
+                torch.empty(n, device=self.device) if fresh and d == me else b
+                for (_, d, n), b in zip(mine, warm, strict=True)
+            ]
             ops = [
                 dist.P2POp(dist.isend, b, d) if s == me else dist.P2POp(dist.irecv, b, s)
                 for (s, d, _), b in zip(mine, bufs, strict=True)
@@ -371,8 +390,9 @@ class Worker:
                     req.wait()
             return time.perf_counter() - t0
 
-        once()  # warm-up: connections and first-touch of the buffers
-        return min(once() for _ in range(repeats))
+        once()  # warm-up: connections and first touch of the warm buffers
+        times = sorted(once() for _ in range(repeats))
+        return times[len(times) // 2]
 
     def cmd_arm_fault(self) -> None:
         """Test hook: exit abruptly at the start of the next switch."""
