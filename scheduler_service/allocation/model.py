@@ -95,6 +95,8 @@ def build_model(
     cost = np.zeros(n_vars)
     integer = np.zeros(n_vars, dtype=bool)
     upper[x0:c0] = 1.0
+    too_big = arrays.gpus[opt_job, opt_k][:, None] > np.asarray(problem.capacity_gpus)[None, :]
+    upper[x0:c0][too_big.ravel()] = 0.0  # a count above a slot's capacity cannot run there
     upper[d0:l0] = 1.0
     upper[m0:h0] = 1.0
     upper[h0:] = 1.0
@@ -163,7 +165,7 @@ def build_model(
             row = np.array([start + n])
             r.add(row, np.array([m0 + n]), 1.0)
             assert job.deadline_s is not None
-            if job.remaining_samples / job.max_throughput_samples_per_s > job.deadline_s + 1e-6:
+            if job.remaining_samples / problem.usable_max_rate(job) > job.deadline_s + 1e-6:
                 lower[m0 + n] = 1.0  # missed in every plan: fixing it tightens the LP bound
             if job.deadline_s >= problem.horizon_s:
                 # Work after the horizon at full speed still counts towards a later deadline.
@@ -241,5 +243,145 @@ def build_model(
         x_start=x0,
         c_start=c0,
         d_start=d0,
+        num_slots=num_slots,
+    )
+
+
+@dataclass
+class CompactLp:
+    """The LP relaxation with progress substituted out: variables are x[o, t] then m[deadline]."""
+
+    lower: np.ndarray
+    upper: np.ndarray
+    cost: np.ndarray
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    matrix: sp.csr_matrix
+    offset: float
+    opt_job: np.ndarray
+    opt_k: np.ndarray
+    progress: np.ndarray  # per option: fraction of the job's remaining work done per whole slot
+    num_slots: int
+
+
+def build_compact_lp(problem: AllocationProblem, arrays: PlanArrays) -> CompactLp:
+    """LP relaxation of `build_model` with c, d and l eliminated (about 3x fewer rows).
+
+    Capping each job's total progress at its remaining work makes d = c exact, so the objective
+    becomes linear in x: progress in slot t earns w * (T - t) (finished fraction at every later
+    slot end) plus w * tail (less leftover). Any integer plan, with its finishing slot scaled
+    down to the exact remaining work, is feasible here at no higher cost: the bound stays valid.
+    """
+    num_jobs, num_slots = arrays.num_jobs, problem.num_slots
+    opt_job, opt_k = np.nonzero(arrays.valid)
+    num_opts = len(opt_job)
+    slot_s = problem.slot_s
+    w = arrays.priority
+    deadline_jobs = [i for i, j in enumerate(problem.jobs) if j.deadline_s is not None]
+    num_dl = len(deadline_jobs)
+    n_x = num_opts * num_slots
+    # Deadlines inside a slot: y[o] <= x[o, slot] is the part of the slot run before the deadline
+    # (a job runs its share of a slot first, then idles), with sum_o y[o] <= the fraction left.
+    in_slot = []
+    for n, j in enumerate(deadline_jobs):
+        pos = problem.deadline_position(problem.jobs[j])
+        assert pos is not None
+        if pos[0] < num_slots and pos[1] > 0:
+            in_slot.append((n, j, pos[0], pos[1]))
+    y_opts = [np.flatnonzero(opt_job == j) for _, j, _, _ in in_slot]
+    n_y = int(sum(len(o) for o in y_opts))
+    n_vars = n_x + num_dl + n_y
+    lower = np.zeros(n_vars)
+    upper = np.ones(n_vars)
+    too_big = arrays.gpus[opt_job, opt_k][:, None] > np.asarray(problem.capacity_gpus)[None, :]
+    upper[:n_x][too_big.ravel()] = 0.0
+    slots = np.arange(num_slots)
+    kg_per_w = problem.slot_emissions_kg_per_w()
+    power = arrays.power_w[opt_job, opt_k]
+    x_kg = power[:, None] * kg_per_w[None, :]
+    progress = arrays.progress[opt_job, opt_k]
+    # Objective / slot_s: sum_j w_j (T - sum_t c_t) + w_j tail_j (1 - c_T) + price (kg + tail kg).
+    later = (num_slots - slots).astype(float)  # slot t's progress counts at ends t..T-1
+    tail_value = w * arrays.tail_slots + (problem.carbon_price_s_per_kg / slot_s) * arrays.tail_kg
+    gain = (w[opt_job][:, None] * later[None, :] + tail_value[opt_job][:, None]) * progress[:, None]
+    cost = np.zeros(n_vars)
+    cost[:n_x] = (-gain + (problem.carbon_price_s_per_kg / slot_s) * x_kg).ravel()
+    miss_cost = problem.deadline_miss_cost_s() / slot_s
+    cost[n_x : n_x + num_dl] = miss_cost
+    offset = float((w * num_slots + tail_value).sum())
+
+    r = _Rows()
+    oo, tt = np.meshgrid(np.arange(num_opts), slots, indexing="ij")
+    xcol = oo * num_slots + tt
+    start = r.block(num_jobs * num_slots, -INF, 1.0)
+    r.add(start + opt_job[oo] * num_slots + tt, xcol, 1.0)
+    start = r.block(num_slots, -INF, np.asarray(problem.capacity_gpus, dtype=float))
+    r.add(start + tt, xcol, np.repeat(arrays.gpus[opt_job, opt_k].astype(float), num_slots))
+    # Total progress at most the remaining work.
+    start = r.block(num_jobs, -INF, 1.0)
+    r.add(start + opt_job[oo], xcol, np.repeat(progress, num_slots))
+    if num_dl:
+        start = r.block(num_dl, 1.0, INF)
+        row_of_job = np.full(num_jobs, -1)
+        row_of_job[deadline_jobs] = np.arange(num_dl)
+        weight = np.zeros((num_jobs, num_slots))
+        for n, j in enumerate(deadline_jobs):
+            job = problem.jobs[j]
+            assert job.deadline_s is not None
+            if job.remaining_samples / problem.usable_max_rate(job) > job.deadline_s + 1e-6:
+                lower[n_x + n] = 1.0
+            if job.deadline_s >= problem.horizon_s:
+                extra = (job.deadline_s - problem.horizon_s) / (
+                    arrays.remaining[j] / arrays.max_throughput[j]
+                )
+                r.lo[-1][n] = 1.0 - extra
+                weight[j, :] = 1.0
+                continue
+            pos = problem.deadline_position(job)
+            assert pos is not None
+            slot, frac = pos
+            weight[j, :slot] = 1.0
+        sel = row_of_job[opt_job] >= 0
+        o_sel = oo[sel]
+        t_sel = tt[sel]
+        vals = weight[opt_job[o_sel], t_sel] * progress[o_sel]
+        keep = vals > 0
+        r.add(
+            start + row_of_job[opt_job[o_sel]][keep], (o_sel * num_slots + t_sel)[keep], vals[keep]
+        )
+        r.add(start + np.arange(num_dl), n_x + np.arange(num_dl), 1.0)
+        y0 = n_x + num_dl
+        for (n, _, slot, frac), opts in zip(in_slot, y_opts, strict=True):
+            ys = y0 + np.arange(len(opts))
+            r.add(np.full(len(opts), start + n), ys, progress[opts])
+            link = r.block(len(opts), -INF, 0.0)
+            r.add(link + np.arange(len(opts)), ys, 1.0)
+            r.add(link + np.arange(len(opts)), opts * num_slots + slot, -1.0)
+            share_row = r.block(1, -INF, frac)
+            r.add(np.full(len(opts), share_row), ys, 1.0)
+            y0 += len(opts)
+    if problem.budget_mode is BudgetMode.HARD:
+        periods = problem.period_slots()
+        if periods:
+            budgets = np.array([p.budget_left_kg for p, _ in periods])
+            start = r.block(len(periods), -INF, np.maximum(budgets, 0.0))
+            for n, (_, share) in enumerate(periods):
+                r.add(np.full(n_x, start + n), xcol, (x_kg * share[None, :]).ravel())
+    matrix = sp.csr_matrix(
+        (np.concatenate(r.vals), (np.concatenate(r.rows), np.concatenate(r.cols))),
+        shape=(r.count, n_vars),
+    )
+    matrix.sum_duplicates()
+    return CompactLp(
+        lower=lower,
+        upper=upper,
+        cost=cost,
+        row_lower=np.concatenate(r.lo),
+        row_upper=np.concatenate(r.hi),
+        matrix=matrix,
+        offset=offset,
+        opt_job=opt_job,
+        opt_k=opt_k,
+        progress=progress,
         num_slots=num_slots,
     )

@@ -188,10 +188,20 @@ class AllocationProblem:
         slot = int(job.deadline_s // self.slot_s)
         return slot, (job.deadline_s - slot * self.slot_s) / self.slot_s
 
+    def usable_max_rate(self, job: JobSpec) -> float:
+        """Fastest samples/s over the job's counts that fit the largest slot capacity."""
+        cap = max(self.capacity_gpus)
+        rates = [
+            r
+            for g, r in zip(job.allowed_gpus, job.throughput_samples_per_s, strict=True)
+            if g <= cap
+        ]
+        return max(rates) if rates else job.throughput_samples_per_s[0]
+
     def deadline_miss_cost_s(self) -> float:
         """Weight of one missed deadline: above any other objective term, so misses come first."""
         tail = sum(
-            j.priority * (j.remaining_samples / j.max_throughput_samples_per_s + self.slot_s)
+            j.priority * (j.remaining_samples / self.usable_max_rate(j) + self.slot_s)
             for j in self.jobs
         )
         rest = sum(j.priority for j in self.jobs) * self.horizon_s + tail
@@ -285,7 +295,12 @@ class PlanArrays:
         self.progress = (
             self.throughput * problem.slot_s / np.maximum(self.remaining, 1e-12)[:, None]
         )
-        self.max_throughput = np.array([j.max_throughput_samples_per_s for j in jobs], dtype=float)
+        self.max_throughput = np.array([problem.usable_max_rate(j) for j in jobs], dtype=float)
+        # Counts above every slot's capacity can never run: leave them out of the models.
+        cap = max(problem.capacity_gpus)
+        fits = self.gpus <= cap
+        fits[:, 0] |= ~fits.any(axis=1)  # keep one option per job (it stays off by capacity)
+        self.valid &= fits
         # Slots still needed at the fastest rate per unit of leftover work fraction.
         self.tail_slots = self.remaining / (self.max_throughput * problem.slot_s)
         # Emissions of finishing all remaining work after the horizon at the job's most
@@ -358,7 +373,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         tail = (
             leftover_fraction
             * job.remaining_samples
-            / (job.max_throughput_samples_per_s * problem.slot_s)
+            / (problem.usable_max_rate(job) * problem.slot_s)
         )
         weighted_s += job.priority * problem.slot_s * (unfinished_area + tail)
         leftover_kg += leftover_fraction * leftover_kg_per_fraction(problem, job)
@@ -367,7 +382,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
             if finish is None and job.deadline_s >= problem.horizon_s:
                 # Past the horizon the job may run at full speed until its deadline.
                 after_s = job.deadline_s - problem.horizon_s
-                ok = done + job.max_throughput_samples_per_s * after_s >= job.remaining_samples * (
+                ok = done + problem.usable_max_rate(job) * after_s >= job.remaining_samples * (
                     1 - 1e-9
                 )
             met[job.job_id] = ok
@@ -408,7 +423,7 @@ def missed_reason(problem: AllocationProblem, job: JobSpec) -> str:
     assert job.deadline_s is not None
     if job.deadline_s <= 0:
         return "deadline already passed"
-    alone_s = job.remaining_samples / job.max_throughput_samples_per_s
+    alone_s = job.remaining_samples / problem.usable_max_rate(job)
     if alone_s > job.deadline_s + 1e-6:
         return (
             f"needs {alone_s:.0f} s at its fastest allowed count ({max(job.allowed_gpus)} GPUs) "
@@ -438,7 +453,7 @@ def make_plan(
             1
             for j in problem.jobs
             if j.deadline_s is not None
-            and j.remaining_samples / j.max_throughput_samples_per_s > j.deadline_s + 1e-6
+            and j.remaining_samples / problem.usable_max_rate(j) > j.deadline_s + 1e-6
         )
         gap = max(0.0, ev.objective - bound) / max(abs(ev.objective - certain), 1e-9)
     reasons = {

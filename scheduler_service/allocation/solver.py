@@ -24,7 +24,12 @@ from typing import Any
 import numpy as np
 from ortools.linear_solver.python import model_builder as mb
 
-from scheduler_service.allocation.model import BuiltModel, build_model
+from scheduler_service.allocation.model import (
+    BuiltModel,
+    CompactLp,
+    build_compact_lp,
+    build_model,
+)
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
@@ -37,6 +42,8 @@ from scheduler_service.allocation.problem import (
 
 # Above this many binaries the exact MIP is skipped: LP + rounding is used alone.
 EXACT_MAX_BINARIES = 150
+# The deadline repair re-evaluates whole plans per move: only worth it on small problems.
+REPAIR_MAX_JOBS = 100
 
 
 class SolverError(RuntimeError):
@@ -52,19 +59,19 @@ class LpResult:
     cumulative: np.ndarray  # [jobs, slots] fraction of remaining work done by the slot's end
 
 
-def _to_model(built: BuiltModel, *, integer: bool) -> mb.Model:
+def _to_model(built: BuiltModel | CompactLp, *, integer: bool) -> mb.Model:
     model = mb.Model()
     fill: Any = model.helper.fill_model_from_sparse_data  # its stub's ndarray types are too narrow
     fill(built.lower, built.upper, built.cost, built.row_lower, built.row_upper, built.matrix)
-    if integer:
+    if integer and isinstance(built, BuiltModel):
         for index in np.flatnonzero(built.integer):
             model.helper.set_var_integrality(int(index), True)
     return model
 
 
 def solve_lp(problem: AllocationProblem, arrays: PlanArrays) -> LpResult:
-    """Solve the LP relaxation with HiGHS; returns the bound and the fractional plan."""
-    built = build_model(problem, arrays, with_changes=False)
+    """Solve the compact LP relaxation with HiGHS; returns the bound and the fractional plan."""
+    built = build_compact_lp(problem, arrays)
     model = _to_model(built, integer=False)
     solver = mb.Solver("highs")
     solver.set_solver_specific_parameters("output_flag=false\nthreads=1\n")
@@ -73,10 +80,13 @@ def solve_lp(problem: AllocationProblem, arrays: PlanArrays) -> LpResult:
         raise SolverError(f"LP relaxation ended with status {status.name}")
     values = solver.values(model.get_variables()).to_numpy()
     num_slots = problem.num_slots
-    x = values[built.x_start : built.c_start].reshape(-1, num_slots)
-    cumulative = values[built.c_start : built.d_start].reshape(arrays.num_jobs, num_slots)
+    n_x = len(built.opt_job) * num_slots
+    x = np.clip(values[:n_x].reshape(-1, num_slots), 0.0, 1.0)
+    per_slot = np.zeros((arrays.num_jobs, num_slots))
+    np.add.at(per_slot, built.opt_job, x * built.progress[:, None])
+    cumulative = np.cumsum(per_slot, axis=1)
     bound = (float(solver.objective_value) + built.offset) * problem.slot_s
-    return LpResult(bound=bound, x=np.clip(x, 0.0, 1.0), cumulative=cumulative)
+    return LpResult(bound=bound, x=x, cumulative=cumulative)
 
 
 def solve_mip(
@@ -169,6 +179,7 @@ def fit_slot(
     gain_weight: np.ndarray,
     budget_kg: float,
     fill: bool,
+    min_rate: np.ndarray | None = None,
 ) -> np.ndarray:
     """Repair one slot's option choice (-1 = off) to capacity and budget, then fill spare GPUs.
 
@@ -198,6 +209,9 @@ def fit_slot(
         can = idx > 0
         lower = np.maximum(idx - 1, 0)
         lost = (thr[rows, idx] - thr[rows, lower]) * loss_weight
+        if min_rate is not None:
+            # Falling below the pace a deadline needs costs far more than any other loss.
+            lost = lost * np.where(thr[rows, lower] < min_rate * (1 - 1e-9), 1e6, 1.0)
         freed = (
             (gpu[rows, idx] - gpu[rows, lower]) if over_cap else (pw[rows, idx] - pw[rows, lower])
         )
@@ -305,7 +319,7 @@ def round_lp(
         keep &= (prev_thr >= need * 0.95) & (prev_thr <= chosen_thr * 1.5)
         choice = np.where(keep, choice_prev, choice)
         # Deadline jobs are the last to lose GPUs; small remaining work gains most per sample.
-        loss_weight = arrays.priority / remaining * np.where(savable & (pace > 0), 1e6, 1.0)
+        loss_weight = arrays.priority / remaining
         gain_weight = arrays.priority / remaining
         if problem.carbon_price_s_per_kg > 0 or problem.budget_mode is BudgetMode.HARD:
             # Fill dirty slots less eagerly than the LP when it left them idle.
@@ -325,7 +339,9 @@ def round_lp(
         if prefix_idx is not None and t < prefix_idx.shape[1]:
             choice = np.where(active, prefix_idx[:, t], -1)
             fill = False
-        choice = fit_slot(state, t, choice, active, loss_weight, gain_weight, budget, fill=fill)
+        choice = fit_slot(
+            state, t, choice, active, loss_weight, gain_weight, budget, fill=fill, min_rate=pace
+        )
         plan[:, t] = choice
         on = choice >= 0
         rate = np.where(on, arrays.throughput[np.arange(num_jobs), np.maximum(choice, 0)], 0.0)
@@ -471,10 +487,14 @@ def solve(
     savable = {
         j.job_id for j, ok in zip(problem.jobs, lp_deadline_met(problem, lp), strict=True) if ok
     }
-    if best is not None and any(
-        not best_ev_ok
-        for k, best_ev_ok in evaluate_gpus(problem, best[0]).deadline_met.items()
-        if k in savable
+    if (
+        best is not None
+        and len(problem.jobs) <= REPAIR_MAX_JOBS
+        and any(
+            not best_ev_ok
+            for k, best_ev_ok in evaluate_gpus(problem, best[0]).deadline_met.items()
+            if k in savable
+        )
     ):
         repaired = trim_after_finish(
             problem,
