@@ -1,4 +1,4 @@
-"""The agent against the real scheduler (`greenflow serve` on SQLite, control loop on): it
+"""`greenflow agent` against the real scheduler (`greenflow serve`, SQLite, control loop on): it
 registers, heartbeats, receives the placement of a submitted job, trains it to the end and
 reports telemetry that finishes the job.
 """
@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.processes import free_port, run_cli, running
+from scheduler_service.db import migrate
+from tests.api.conftest import make_tokens
+from tests.support.processes import GREENFLOW, free_port, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-REPO = Path(__file__).resolve().parents[2]
 
 CONFIG = """
 [planner]
@@ -32,12 +31,6 @@ agent_telemetry_interval_s = 0.5
 """
 
 
-def _token(role: str, name: str, env: dict[str, str]) -> str:
-    result = run_cli(["token", "create", "--role", role, "--name", name], env)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
-
-
 def test_agent_runs_a_job_the_real_scheduler_places(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "greenflow.toml"
@@ -47,19 +40,21 @@ def test_agent_runs_a_job_the_real_scheduler_places(tmp_path: Path) -> None:
         "GREENFLOW_CONFIG": str(config),
         "GREENFLOW_PORT": str(port),
     }
-    assert run_cli(["db", "upgrade"], env).returncode == 0
-    agent_token = _token("agent", "node-a", env)
-    user = {"Authorization": f"Bearer {_token('user', 'alice', env)}"}
-    operator = {"Authorization": f"Bearer {_token('operator', 'root', env)}"}
+    # Schema and tokens in-process (the CLI's own tests cover those commands); the scheduler and
+    # the agent run as real processes.
+    migrate.upgrade(env["GREENFLOW_DATABASE_URL"], "head")
+    tokens = make_tokens(env["GREENFLOW_DATABASE_URL"])
+    agent_token = tokens.agent
+    user = {"Authorization": f"Bearer {tokens.alice}"}
+    operator = {"Authorization": f"Bearer {tokens.operator}"}
     url = f"http://127.0.0.1:{port}"
 
     with running(["serve"], env, tmp_path / "serve.log", health_url=f"{url}/healthz"):
         log = (tmp_path / "agent.log").open("wb")
         agent = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "worker_agent.cli",
+                GREENFLOW,
+                "agent",
                 "--scheduler",
                 url,
                 "--token",
@@ -67,9 +62,8 @@ def test_agent_runs_a_job_the_real_scheduler_places(tmp_path: Path) -> None:
                 "--simulate-gpus",
                 "2",
                 "--name",
-                "node-a",
+                "node-1",
             ],
-            cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -81,7 +75,7 @@ def test_agent_runs_a_job_the_real_scheduler_places(tmp_path: Path) -> None:
                 time.sleep(0.2)
             assert nodes, "agent never registered"
             node = nodes[0]
-            assert node["name"] == "node-a" and node["simulated"] is True
+            assert node["name"] == "node-1" and node["simulated"] is True
             assert len(node["slots"]) == 2  # type: ignore[arg-type]
             assert str(node["agent_url"]).startswith("http://127.0.0.1:")
 
