@@ -140,6 +140,7 @@ class Agent:
         self._slot_owner: dict[int, int] = {}
         # Stopped jobs the scheduler has seen stopped: kept so repeated commands stay harmless.
         self._ended: dict[int, RunningJob] = {}
+        self._stop_commanded: set[int] = set()
         self._threads: list[threading.Thread] = []
         self._nvml_energy_j: dict[int, tuple[tuple[int, ...], float]] = {}
 
@@ -186,19 +187,19 @@ class Agent:
                 )
             if cmd.generation == job.generation and job.last_ack is not None:
                 return job.last_ack
-            if job.state in ("finished", "stopped", "failed"):
-                raise JobGone(
-                    f"job {cmd.job_id} is {job.state} on this agent (generation "
-                    f"{job.generation}); it cannot be allocated again"
-                )
-            if cmd.spec != job.spec:
-                raise BadAllocation(
-                    f"job {cmd.job_id}: spec differs from the one it started with "
-                    f"({job.spec.model_dump()}); a job's workload cannot change"
-                )
-            slots = self._check_slots(cmd)
-            job.estimated_power_w = dict(cmd.estimated_power_w)
             try:
+                if job.state in ("finished", "stopped", "failed"):
+                    raise JobGone(
+                        f"job {cmd.job_id} is {job.state} on this agent (generation "
+                        f"{job.generation}); it cannot be allocated again"
+                    )
+                if cmd.spec != job.spec:
+                    raise BadAllocation(
+                        f"job {cmd.job_id}: spec differs from the one it started with "
+                        f"({job.spec.model_dump()}); a job's workload cannot change"
+                    )
+                slots = self._check_slots(cmd)
+                job.estimated_power_w = dict(cmd.estimated_power_w)
                 self._reserve(job, slots)
                 ack = self._apply(job, cmd, slots)
             except BaseException:
@@ -246,6 +247,8 @@ class Agent:
                 log.info("job %d stopped (%s)", job.job_id, cmd.reason or "no reason given")
             job.generation = cmd.generation
             self._release_slots(job.job_id, keep=[])
+            with self._lock:
+                self._stop_commanded.add(job.job_id)
             return job.running_job()
 
     def status(self) -> AgentStatus:
@@ -491,8 +494,13 @@ class Agent:
             self._stop_unwanted(job_id)
 
     def _stopped_ids(self) -> set[int]:
+        """Jobs to forget once a heartbeat has reported them: stopped here, or told to stop."""
         with self._lock:
-            return {j.job_id for j in self._jobs.values() if j.state == "stopped"}
+            return {
+                j.job_id
+                for j in self._jobs.values()
+                if j.state == "stopped" or j.job_id in self._stop_commanded
+            }
 
     def _forget(self, job_ids: set[int]) -> None:
         """Move stopped jobs the scheduler has now seen into the small tombstone map."""
@@ -505,6 +513,7 @@ class Agent:
                 final = job.running_job()
             with self._lock:
                 self._jobs.pop(job_id, None)
+                self._stop_commanded.discard(job_id)
                 self._ended[job_id] = final
                 while len(self._ended) > MAX_ENDED:
                     self._ended.pop(next(iter(self._ended)))
