@@ -142,6 +142,9 @@ class Agent:
         self._ended: dict[int, RunningJob] = {}
         self._stop_commanded: set[int] = set()
         self._threads: list[threading.Thread] = []
+        self.fatal_error: str | None = None
+        """Why the agent gave up on its own (the CLI exits 2 with it)."""
+        self.on_fatal: Callable[[], None] | None = None
         self._nvml_energy_j: dict[int, tuple[tuple[int, ...], float]] = {}
 
     # ----- lifecycle ------------------------------------------------------------------------
@@ -456,9 +459,16 @@ class Agent:
                     self.agent_url,
                 )
                 return registered
-            log.error(
-                "scheduler refused registration: HTTP %d %s", resp.status_code, resp.text[:300]
-            )
+            refusal = f"scheduler refused registration: HTTP {resp.status_code} {resp.text[:300]}"
+            if self.registered is None and 400 <= resp.status_code < 500:
+                # A bad token or an incompatible request on the first try will not fix itself.
+                self.fatal_error = refusal
+                log.error("%s; stopping", refusal)
+                self._shutdown.set()
+                if self.on_fatal is not None:
+                    self.on_fatal()
+                return None
+            log.error("%s; retrying", refusal)
             self._shutdown.wait(self.config.backoff_cap_s)
         return None
 
@@ -698,8 +708,11 @@ def serve(
     config: AgentConfig,
     nvml: NvmlMeter | None = None,
     on_ready: Callable[[str], None] | None = None,
-) -> None:
-    """Run the agent until SIGINT/SIGTERM, then stop every job's workers and return."""
+) -> str | None:
+    """Run the agent until SIGINT/SIGTERM, then stop every job's workers.
+
+    Returns None, or why the agent stopped on its own (the scheduler refused its registration).
+    """
     with bound_socket(config.host, config.port) as sock:
         port = int(sock.getsockname()[1])
         agent = Agent(config, nvml)
@@ -716,6 +729,7 @@ def serve(
         log.info("agent %s listening on %s", config.name, agent.agent_url)
         if on_ready is not None:
             on_ready(agent.agent_url)
+        agent.on_fatal = lambda: setattr(server, "should_exit", True)
         agent.start_background()
         try:
             server.run(sockets=[sock])
@@ -723,3 +737,4 @@ def serve(
             log.info("shutting down: stopping every job's workers")
             agent.shutdown()
             log.info("agent %s stopped", config.name)
+        return agent.fatal_error

@@ -9,13 +9,14 @@ import logging
 import re
 import socket
 import sys
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
-from worker_agent.agent import AgentConfig, serve
 from worker_agent.protocol import GpuSlotInfo
-from worker_agent.telemetry import NvmlMeter, NvmlUnavailable
+
+if TYPE_CHECKING:
+    from worker_agent.telemetry import NvmlMeter
 
 USAGE_ERROR = 2
 NAME_PATTERN = r"[A-Za-z0-9_.-]{1,100}"
@@ -37,6 +38,8 @@ def _default_name() -> str:
 def _real_gpu_slots(gpus: int) -> tuple[list[GpuSlotInfo], str, NvmlMeter | None]:
     """Slots for the first `gpus` CUDA devices; refuses if fewer are present."""
     import torch
+
+    from worker_agent.telemetry import NvmlMeter, NvmlUnavailable
 
     present = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if present < gpus:
@@ -101,6 +104,9 @@ def agent(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Imported only now: torch and the runtime take seconds to load, input errors should not wait.
+    from worker_agent.agent import AgentConfig, serve
+
     # One line per scheduler request would drown the agent's own log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     nvml: NvmlMeter | None = None
@@ -122,9 +128,11 @@ def agent(
         advertise_url=advertise_url,
     )
     try:
-        serve(config, nvml)
+        fatal = serve(config, nvml)
     except OSError as exc:
         _fail(f"cannot listen on {host}:{port}: {exc}")
+    if fatal is not None:
+        _fail(fatal)
 
 
 def main() -> None:

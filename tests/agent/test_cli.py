@@ -1,0 +1,58 @@
+"""`greenflow agent` input errors and a refused registration: one line on stderr, exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.agent.fake_scheduler import fake_scheduler
+from tests.support.processes import GREENFLOW
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _agent(*args: str, real_command: bool = False) -> subprocess.CompletedProcess[str]:
+    # `python -m worker_agent.cli` runs the same function without importing the whole scheduler.
+    command = [GREENFLOW, "agent"] if real_command else [sys.executable, "-m", "worker_agent.cli"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_bad_input_is_one_line_exit_2() -> None:
+    base = ["--scheduler", "http://127.0.0.1:1", "--token", "t"]
+    assert "exactly one of" in _one_error_line(_agent(*base))
+    assert "exactly one of" in _one_error_line(_agent(*base, "--gpus", "1", "--simulate-gpus", "1"))
+    assert "between 1 and 1024" in _one_error_line(_agent(*base, "--simulate-gpus", "0"))
+    assert "--name" in _one_error_line(_agent(*base, "--simulate-gpus", "1", "--name", "a b"))
+    line = _one_error_line(_agent("--scheduler", "ftp://x", "--token", "t", "--simulate-gpus", "1"))
+    assert "--scheduler" in line
+
+
+def test_gpus_refused_without_enough_cuda_devices() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA devices")
+    line = _one_error_line(
+        _agent("--scheduler", "http://127.0.0.1:1", "--token", "t", "--gpus", "1")
+    )
+    assert "only 0 CUDA device(s)" in line
+
+
+def test_rejected_token_stops_the_agent_with_exit_2() -> None:
+    with fake_scheduler(token="right") as fake:
+        args = ["--scheduler", fake.url, "--token", "wrong", "--simulate-gpus", "1", "--name", "n"]
+        result = _agent(*args, real_command=True)
+        assert fake.unauthorized >= 1
+    assert "HTTP 401" in _one_error_line(result)
