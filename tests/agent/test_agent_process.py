@@ -62,9 +62,11 @@ class Node:
             self.acks[(job_id, generation)] = resp.json()
         return resp
 
+    def http_status(self) -> AgentStatus:
+        return AgentStatus.model_validate(self.http.get("/status").raise_for_status().json())
+
     def job(self, job_id: int) -> RunningJob:
-        status = AgentStatus.model_validate(self.http.get("/status").raise_for_status().json())
-        return next(j for j in status.jobs if j.job_id == job_id)
+        return next(j for j in self.http_status().jobs if j.job_id == job_id)
 
     def wait_step_above(self, job_id: int, step: int, timeout_s: float = 60) -> int:
         deadline = time.monotonic() + timeout_s
@@ -303,6 +305,21 @@ def test_dead_worker_fails_the_job_and_frees_its_slot(node: Node) -> None:
         lambda: any(j.job_id == 4 and j.error for hb in node.fake.heartbeats for j in hb.jobs)
     )
     assert node.allocate(4, 2, [1]).status_code == 409  # a failed job is not restarted here
+
+
+def test_jobs_the_scheduler_no_longer_wants_are_stopped_and_forgotten(node: Node) -> None:
+    # Job 2 finished by itself; job 5 was allocated 0 slots (known, never started).
+    assert node.allocate(5, 1, []).status_code == 200
+    ids = {j.job_id for j in node.http_status().jobs}
+    assert {2, 5} <= ids
+    with node.fake.lock:
+        node.fake.stop_job_ids = [2, 5]
+    node.fake.wait_for(lambda: not {2, 5} & {j.job_id for j in node.http_status().jobs})
+    with node.fake.lock:
+        node.fake.stop_job_ids = []
+    assert node.allocate(5, 2, [0]).status_code == 409  # stopped for good
+    stop = node.http.post("/jobs/5/stop", json={"job_id": 5, "generation": 2})
+    assert stop.status_code == 200  # a repeated stop stays harmless
 
 
 def test_heartbeat_404_makes_agent_register_again(node: Node) -> None:
