@@ -57,6 +57,7 @@ class LpResult:
     bound: float
     x: np.ndarray  # [num_options, num_slots]
     cumulative: np.ndarray  # [jobs, slots] fraction of remaining work done by the slot's end
+    missed: np.ndarray  # [jobs] the LP's deadline-miss variable (0 without a deadline)
 
 
 def _to_model(built: BuiltModel | CompactLp, *, integer: bool) -> mb.Model:
@@ -86,7 +87,10 @@ def solve_lp(problem: AllocationProblem, arrays: PlanArrays) -> LpResult:
     np.add.at(per_slot, built.opt_job, x * built.progress[:, None])
     cumulative = np.cumsum(per_slot, axis=1)
     bound = (float(solver.objective_value) + built.offset) * problem.slot_s
-    return LpResult(bound=bound, x=x, cumulative=cumulative)
+    missed = np.zeros(arrays.num_jobs)
+    deadline_jobs = [i for i, j in enumerate(problem.jobs) if j.deadline_s is not None]
+    missed[deadline_jobs] = values[n_x : n_x + len(deadline_jobs)]
+    return LpResult(bound=bound, x=x, cumulative=cumulative, missed=missed)
 
 
 def solve_mip(
@@ -412,19 +416,8 @@ def repair_deadlines(
 
 def lp_deadline_met(problem: AllocationProblem, lp: LpResult) -> np.ndarray:
     """Per job: the LP relaxation meets its deadline (False for jobs without one)."""
-    met = np.zeros(len(problem.jobs), dtype=bool)
-    for i, job in enumerate(problem.jobs):
-        pos = problem.deadline_position(job)
-        if pos is None:
-            continue
-        slot, frac = pos
-        c = lp.cumulative[i]
-        if slot >= problem.num_slots:
-            met[i] = True  # judged past the horizon; keep the pace rule
-            continue
-        before = c[slot - 1] if slot >= 1 else 0.0
-        met[i] = before * (1 - frac) + c[slot] * frac >= 1 - 1e-6
-    return met
+    has = np.array([j.deadline_s is not None for j in problem.jobs], dtype=bool)
+    return has & (lp.missed <= 1e-6)
 
 
 def state_opt(arrays: PlanArrays) -> tuple[np.ndarray, np.ndarray]:
