@@ -531,6 +531,7 @@ def solve(
         policy="greenflow",
         solve_s=time.perf_counter() - started,
         bound=bound,
+        notes=(f"lp_deadline_misses={float(lp.missed.sum()):.3f}",),
     )
 
 
