@@ -48,6 +48,7 @@ class FakeScheduler:
     stop_job_ids: list[int] = field(default_factory=list)
     url: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    restart: _Serving | None = None
 
     def job_samples(self, job_id: int) -> list[TelemetrySample]:
         """Samples of one job in time order."""
@@ -143,17 +144,48 @@ def _handler(fake: FakeScheduler) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _Serving:
+    """The fake's HTTP server; it can go down and come back on the same port (a restart)."""
+
+    def __init__(self, fake: FakeScheduler) -> None:
+        self.fake = fake
+        self.port = 0
+        self.server: ThreadingHTTPServer | None = None
+        self.up()
+        fake.url = f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        server = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self.fake))
+        server.daemon_threads = True
+        self.port = int(server.server_address[1])
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.server = server
+
+    def down(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
 @contextmanager
 def fake_scheduler(**kwargs: Any) -> Iterator[FakeScheduler]:
     """Serve a FakeScheduler on a free port for the duration of the block."""
     fake = FakeScheduler(**kwargs)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    server.daemon_threads = True
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    serving = _Serving(fake)
+    fake.restart = serving
     try:
         yield fake
     finally:
-        server.shutdown()
-        server.server_close()
+        serving.down()
+
+
+@contextmanager
+def outage(fake: FakeScheduler) -> Iterator[None]:
+    """The scheduler is down (connections refused) inside the block, back on the same port after."""
+    assert fake.restart is not None
+    fake.restart.down()
+    try:
+        yield
+    finally:
+        fake.restart.up()

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.agent.fake_scheduler import FakeScheduler, fake_scheduler
+from tests.agent.fake_scheduler import FakeScheduler, fake_scheduler, outage
 from worker_agent.protocol import AGENT_SECRET_HEADER, AgentStatus, RunningJob
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -225,16 +225,21 @@ def test_stale_generation_is_rejected_and_repeat_returns_same_ack(node: Node) ->
     assert sorted(node.job(1).slot_indices) == [0, 1]
 
 
-def test_telemetry_is_resent_after_scheduler_outage(node: Node) -> None:
+def test_telemetry_is_resent_after_scheduler_errors_and_outage(node: Node) -> None:
     fake = node.fake
     with fake.lock:
         posts = fake.telemetry_posts
         fake.fail_telemetry = 3
     fake.wait_for(lambda: fake.telemetry_posts >= posts + 5, timeout_s=60)
     fake.wait_for(lambda: fake.fail_telemetry == 0)
-    time.sleep(1.5)  # one more interval: the backlog arrives
+    # Then the scheduler goes away entirely (connections refused) and comes back.
+    before = len(fake.job_samples(1))
+    with outage(fake):
+        time.sleep(2.0)
+    fake.wait_for(lambda: len(fake.job_samples(1)) >= before + 4, timeout_s=30)
+    time.sleep(1.0)  # one more interval: the whole backlog has arrived
     samples = [s for s in fake.job_samples(1) if s.generation == 2]
-    assert len(samples) >= 4
+    assert len(samples) >= 8
     # Consecutive samples tile time: each one's interval ends where the previous ended.
     for prev, cur in itertools.pairwise(samples):
         gap_s = (cur.at - prev.at).total_seconds()
