@@ -25,7 +25,7 @@ from scheduler_service.allocation.problem import (
     PlanArrays,
     make_plan,
 )
-from scheduler_service.allocation.solver import _SlotState, fit_slot, trim_after_finish
+from scheduler_service.allocation.solver import SlotState, fit_slot, trim_after_finish
 
 
 def _finish(
@@ -46,7 +46,7 @@ def _deadlines(problem: AllocationProblem) -> np.ndarray:
 
 
 def _step(
-    state: _SlotState, arrays: PlanArrays, t: int, choice: np.ndarray, done: np.ndarray
+    state: SlotState, arrays: PlanArrays, t: int, choice: np.ndarray, done: np.ndarray
 ) -> np.ndarray:
     """Book slot t's choice: charge its emissions and return the new work done per job."""
     rows = np.arange(arrays.num_jobs)
@@ -68,7 +68,7 @@ def carbon_agnostic(
     """ElasticFlow-style elastic scheduling: minimum deadline share, then best marginal gain."""
     started = time.perf_counter()
     arrays = PlanArrays(problem)
-    state = _SlotState(problem, arrays)
+    state = SlotState(problem, arrays)
     n, num_slots = arrays.num_jobs, problem.num_slots
     deadline = _deadlines(problem)
     done = np.zeros(n)
@@ -101,7 +101,7 @@ def static_fcfs(
     """Static allocation: first come first served, each job at its largest allowed count."""
     started = time.perf_counter()
     arrays = PlanArrays(problem)
-    state = _SlotState(problem, arrays)
+    state = SlotState(problem, arrays)
     n, num_slots = arrays.num_jobs, problem.num_slots
     done = np.zeros(n)
     plan = np.full((n, num_slots), -1, dtype=int)
@@ -250,7 +250,7 @@ def temporal_shift(
 
 def _cap_to_budget(problem: AllocationProblem, arrays: PlanArrays, plan: np.ndarray) -> np.ndarray:
     """Drop the least useful GPUs from slots that would overspend a hard budget."""
-    state = _SlotState(problem, arrays)
+    state = SlotState(problem, arrays)
     if not state.periods:
         return plan
     n = arrays.num_jobs

@@ -148,7 +148,7 @@ def trim_after_finish(
     return out
 
 
-class _SlotState:
+class SlotState:
     """Per-slot greedy state shared by the rounding heuristic and the baselines."""
 
     def __init__(self, problem: AllocationProblem, arrays: PlanArrays) -> None:
@@ -175,7 +175,7 @@ class _SlotState:
 
 
 def fit_slot(
-    state: _SlotState,
+    state: SlotState,
     t: int,
     choice: np.ndarray,
     active: np.ndarray,
@@ -270,7 +270,7 @@ def round_lp(
     if prefix is not None:
         prefix_idx = np.array([[j.index_of(g) for g in prefix[j.job_id]] for j in problem.jobs])
     num_jobs, num_slots = arrays.num_jobs, problem.num_slots
-    state = _SlotState(problem, arrays)
+    state = SlotState(problem, arrays)
     done = np.zeros(num_jobs)  # samples done so far in the plan
     remaining = arrays.remaining
     choice_prev = np.array([j.index_of(j.current_gpus) for j in problem.jobs], dtype=int)

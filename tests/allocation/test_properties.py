@@ -15,9 +15,10 @@ from scheduler_service.allocation.problem import (
     BudgetMode,
     BudgetPeriod,
     JobSpec,
+    PlanArrays,
     evaluate_gpus,
 )
-from scheduler_service.allocation.solver import solve
+from scheduler_service.allocation.solver import solve, solve_lp
 
 START = datetime(2022, 6, 1, tzinfo=UTC)
 SLOT_S = 600.0
@@ -130,6 +131,9 @@ def test_solver_matches_brute_force(problem: AllocationProblem) -> None:
     assert misses == best_misses
     assert plan.objective <= best_objective * (1 + 1e-5) + 1e-6
     assert set(plan.missed_reasons) == {k for k, ok in plan.deadline_met.items() if not ok}
+    # The compact LP is a relaxation: its value never exceeds the best integer plan's.
+    lp = solve_lp(problem, PlanArrays(problem))
+    assert lp.bound <= best_objective * (1 + 1e-6) + 1e-6
 
 
 @SETTINGS
