@@ -75,12 +75,6 @@ class JobGone(AgentError):
     """The job already finished, failed, or was stopped on this agent."""
 
 
-class UnknownJob(AgentError):
-    """The agent has never run this job."""
-
-    status_code = 404
-
-
 class BadAllocation(AgentError):
     """The command cannot be applied as given (bad slots, no layout, bad workload)."""
 
@@ -235,7 +229,21 @@ class Agent:
         if job is None and ended is not None:
             return ended
         if job is None:
-            raise UnknownJob(f"job {cmd.job_id} is not known to this agent")
+            # Not running here is exactly what a stop asks for (e.g. after this agent restarted).
+            log.info("job %d: stop for a job this agent does not run; nothing to do", cmd.job_id)
+            gone = RunningJob(
+                job_id=cmd.job_id,
+                generation=cmd.generation,
+                gpus=0,
+                slot_indices=[],
+                layout=None,
+                step=0,
+                samples_done=0,
+                worker_pids=[],
+            )
+            with self._lock:
+                self._ended[cmd.job_id] = gone
+            return gone
         with job.lock:
             if cmd.generation < job.generation:
                 raise StaleGeneration(

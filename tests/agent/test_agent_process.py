@@ -325,6 +325,9 @@ def test_jobs_the_scheduler_no_longer_wants_are_stopped_and_forgotten(node: Node
     assert node.allocate(5, 2, [0]).status_code == 409  # stopped for good
     stop = node.http.post("/jobs/5/stop", json={"job_id": 5, "generation": 2})
     assert stop.status_code == 200  # a repeated stop stays harmless
+    # So is a stop for a job this agent never ran (e.g. the agent restarted): it is not running.
+    never = node.http.post("/jobs/77/stop", json={"job_id": 77, "generation": 3})
+    assert never.status_code == 200 and never.json()["gpus"] == 0
 
 
 def test_heartbeat_404_makes_agent_register_again(node: Node) -> None:
