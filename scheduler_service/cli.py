@@ -79,22 +79,38 @@ def db_downgrade(revision: str = typer.Argument(..., help="Target revision (or '
 def token_create(
     role: Annotated[Role, typer.Option(help="user, operator or agent.")],
     name: Annotated[str, typer.Option(help="Who the token is for (jobs are owned by this name).")],
+    from_env: Annotated[
+        str | None,
+        typer.Option(
+            help="Store the token held in this environment variable instead of minting one (deployments)."
+        ),
+    ] = None,
 ) -> None:
     """Create an API token and print it once (only its hash is stored)."""
-    from scheduler_service.auth.service import create_token
+    from scheduler_service.auth.service import create_token, import_token
     from scheduler_service.db.session import make_engine, make_session_factory, transaction
 
     settings, _ = _settings_and_config()
+    given = None
+    if from_env is not None:
+        given = os.environ.get(from_env)
+        if not given:
+            fail(f"environment variable {from_env} is not set", USAGE_ERROR)
     _require_migrated(settings)
     engine = make_engine(settings.database_url)
     try:
         with transaction(make_session_factory(engine)) as session:
-            plaintext = create_token(session, name=name, role=role)
+            if given is None:
+                print(create_token(session, name=name, role=role))
+            else:
+                stored = import_token(session, name=name, role=role, plaintext=given)
+                out.print(
+                    f"token from {from_env} {'stored' if stored else 'was already stored'} for {name} ({role.value})"
+                )
     except ValueError as exc:
         fail(str(exc), USAGE_ERROR)
     finally:
         engine.dispose()
-    print(plaintext)
 
 
 def _require_migrated(settings: Settings) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from scheduler_service.auth.repository import TokenRepository
-from scheduler_service.auth.tokens import Role, mint_token, secret_matches, split_token
+from scheduler_service.auth.tokens import Role, hash_secret, mint_token, secret_matches, split_token
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import ApiToken
 
@@ -35,6 +35,28 @@ def create_token(session: Session, *, name: str, role: Role) -> str:
         ApiToken(token_id=new.token_id, secret_sha256=new.secret_sha256, name=name, role=role.value)
     )
     return new.plaintext
+
+
+def import_token(session: Session, *, name: str, role: Role, plaintext: str) -> bool:
+    """Store a token chosen elsewhere (e.g. a deployment secret); False when it is already stored."""
+    parts = split_token(plaintext)
+    if parts is None:
+        raise ValueError(
+            "token must look like gf_<id>_<secret> (as `greenflow token create` prints)"
+        )
+    token_id, secret = parts
+    if len(secret) < 32:
+        raise ValueError("the secret part of the token must be at least 32 characters")
+    repo = TokenRepository(session)
+    existing = repo.by_token_id(token_id)
+    if existing is not None:
+        if not secret_matches(secret, existing.secret_sha256) or existing.role != role.value:
+            raise ValueError(f"a different token with id {token_id} is already stored")
+        return False
+    repo.add(
+        ApiToken(token_id=token_id, secret_sha256=hash_secret(secret), name=name, role=role.value)
+    )
+    return True
 
 
 def authenticate(session: Session, plaintext: str) -> Principal | None:
