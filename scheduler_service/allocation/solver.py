@@ -312,6 +312,8 @@ def round_lp(
                 np.concatenate([np.zeros((num_jobs, 1)), thr_pad], axis=1) - need[:, None]
             )
             choice = np.where(active, diff.argmin(axis=1) - 1, -1)
+        # Deadline jobs keep the pace that still meets them in every mode.
+        choice = np.where(savable & (pace > 0), np.maximum(choice, first), choice)
         # Keep the previous count when it also meets the pace and is not much faster (no switch).
         keep = (choice_prev >= 0) & active & (need > 1e-12)
         prev_thr = np.where(
