@@ -715,7 +715,6 @@ def reachable_url(host: str, port: int) -> str:
 def serve(
     config: AgentConfig,
     nvml: NvmlMeter | None = None,
-    on_ready: Callable[[str], None] | None = None,
 ) -> str | None:
     """Run the agent until SIGINT/SIGTERM, then stop every job's workers.
 
@@ -735,8 +734,6 @@ def serve(
             )
         )
         log.info("agent %s listening on %s", config.name, agent.agent_url)
-        if on_ready is not None:
-            on_ready(agent.agent_url)
         agent.on_fatal = lambda: setattr(server, "should_exit", True)
         agent.start_background()
         try:
