@@ -282,9 +282,21 @@ class Agent:
         with self._lock:
             job = self._jobs.get(cmd.job_id)
             if job is not None:
-                return job
-            if cmd.job_id in self._ended:
-                raise JobGone(f"job {cmd.job_id} was stopped on this agent; it cannot run again")
+                if job.state not in ("stopped", "failed") or cmd.generation <= job.generation:
+                    return job
+                # The scheduler placed a stopped (or failed) job here again with a newer
+                # generation: it starts afresh; its old workers are already gone.
+                log.info("job %d: generation %d restarts it here", cmd.job_id, cmd.generation)
+                self._jobs.pop(cmd.job_id)
+            ended = self._ended.get(cmd.job_id)
+            if ended is not None:
+                if ended.finished or cmd.generation <= ended.generation:
+                    raise JobGone(
+                        f"job {cmd.job_id} ended on this agent at generation {ended.generation}; "
+                        f"generation {cmd.generation} cannot run it again"
+                    )
+                log.info("job %d: generation %d restarts it here", cmd.job_id, cmd.generation)
+                del self._ended[cmd.job_id]
             try:
                 job_spec = job_spec_for(cmd.spec, len(self.config.slots))
             except (WorkloadError, ValidationError, ValueError) as exc:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Query, Request, Response, status
 
-from scheduler_service.deps import Operator, SessionDep, UserOrOperator
+from scheduler_service.deps import ConfigDep, Operator, SessionDep, UserOrOperator
 from scheduler_service.exceptions import error_responses
 from scheduler_service.jobs import service
 from scheduler_service.jobs.schemas import (
@@ -35,10 +35,15 @@ Offset = Annotated[int, Query(ge=0, le=10**9)]
     },
 )
 def submit_job(
-    spec: JobSpec, session: SessionDep, caller: UserOrOperator, response: Response, request: Request
+    spec: JobSpec,
+    session: SessionDep,
+    caller: UserOrOperator,
+    config: ConfigDep,
+    response: Response,
+    request: Request,
 ) -> JobOut:
-    """Submit a training job (idempotent per submission_id)."""
-    result = service.submit_job(session, caller, spec)
+    """Submit a training job (idempotent per submission_id; a deadline must be meetable)."""
+    result = service.submit_job(session, caller, spec, config)
     if not result.created:
         response.status_code = status.HTTP_200_OK
     else:

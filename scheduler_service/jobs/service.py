@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
+from scheduler_service.admission import check_admission
 from scheduler_service.auth.service import Principal
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import Job, JobEvent
@@ -19,6 +20,7 @@ from scheduler_service.jobs.states import (
     initial_event,
     transition,
 )
+from scheduler_service.settings import GreenflowConfig
 
 
 class JobNotFound(Exception):
@@ -51,7 +53,9 @@ def _same_spec(job: Job, spec: JobSpec) -> bool:
     return all(getattr(job, key) == value for key, value in _spec_fields(spec).items())
 
 
-def submit_job(session: Session, principal: Principal, spec: JobSpec) -> SubmitResult:
+def submit_job(
+    session: Session, principal: Principal, spec: JobSpec, config: GreenflowConfig | None = None
+) -> SubmitResult:
     """Store a new job (or return the one already submitted under the same submission_id)."""
     repo = JobRepository(session)
     if spec.submission_id is not None:
@@ -66,6 +70,19 @@ def submit_job(session: Session, principal: Principal, spec: JobSpec) -> SubmitR
     now = utcnow()
     if spec.deadline is not None and spec.deadline <= now:
         raise FieldError("deadline", f"deadline {spec.deadline.isoformat()} is in the past")
+    admission_note = "accepted; waiting for the planner"
+    if spec.deadline is not None and config is not None:
+        decision = check_admission(session, config, spec, spec.total_samples_resolved(), now)
+        if not decision.admitted or not decision.guaranteed:
+            if not spec.best_effort:
+                raise FieldError(
+                    "deadline",
+                    f"rejected: the deadline cannot be met ({decision.reason}); "
+                    "resubmit with a later deadline, or with best_effort: true to queue it without a guarantee",
+                )
+            admission_note = f"admitted best-effort, no deadline guarantee: {decision.reason}"
+        else:
+            admission_note = f"admitted: {decision.reason}"
     job = Job(
         owner=principal.name,
         state=JobState.PENDING.value,
@@ -76,9 +93,7 @@ def submit_job(session: Session, principal: Principal, spec: JobSpec) -> SubmitR
     )
     repo.add(job)
     repo.add_event(initial_event(job, reason="submitted", actor=principal.name))
-    repo.add_event(
-        transition(job, JobState.QUEUED, reason="accepted; waiting for the planner", at=now)
-    )
+    repo.add_event(transition(job, JobState.QUEUED, reason=admission_note, at=now))
     return SubmitResult(job, created=True)
 
 

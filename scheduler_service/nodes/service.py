@@ -116,13 +116,26 @@ def heartbeat(
     reported = {
         running.job_id for running in beat.jobs if running.gpus > 0 and not running.finished
     }
+    allocations = AllocationRepository(session)
     for running in beat.jobs:
         job = jobs.get(running.job_id)
-        if job is None or JobState(job.state) in TERMINAL_STATES or running.job_id not in held:
+        if job is None or JobState(job.state) in TERMINAL_STATES:
+            stop.append(running.job_id)
+            continue
+        if running.job_id in held:
+            continue
+        # Not placed here: stop it only once the scheduler's command that moved it elsewhere
+        # is acknowledged there (a command in flight may still be on its way to this agent).
+        latest = allocations.latest(running.job_id)
+        if (
+            latest is not None
+            and latest.status == "acked"
+            and latest.gpus > 0
+            and latest.node_id != node.id
+        ):
             stop.append(running.job_id)
     # The database places these jobs here; if the agent no longer runs them (it restarted, or
     # a worker died) and no command to it is in flight, they go back to the planner.
-    allocations = AllocationRepository(session)
     for job_id in sorted(held - reported):
         latest = allocations.latest(job_id)
         if (

@@ -25,7 +25,20 @@ def spec(**overrides: Any) -> dict[str, Any]:
     return base
 
 
+def register_node(client: TestClient, tokens: Tokens, gpus: int = 4) -> None:
+    """Register a node with `gpus` slots, as an agent would."""
+    body = {
+        "name": "node-1",
+        "agent_url": "http://127.0.0.1:9",
+        "agent_secret": "s" * 32,
+        "slots": [{"index": i} for i in range(gpus)],
+    }
+    response = client.post("/v1/nodes/register", json=body, headers=auth(tokens.agent))
+    assert response.status_code == 200, response.text
+
+
 def test_submit_returns_201_and_records_events(client: TestClient, tokens: Tokens) -> None:
+    register_node(client, tokens)
     deadline = (datetime.now(UTC) + timedelta(hours=6)).isoformat()
     response = client.post(
         "/v1/jobs", json=spec(deadline=deadline, priority=3), headers=auth(tokens.alice)
