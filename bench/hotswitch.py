@@ -93,7 +93,7 @@ def _restart(
     t0 = time.perf_counter()
     ckpt = run.save_checkpoint(workdir)
     run.stop()
-    fresh = JobRunner(snapshot_policy="before_switch")
+    fresh = JobRunner()
     fresh.start(spec, gpus, layout, checkpoint=ckpt)
     return fresh, time.perf_counter() - t0
 
@@ -105,7 +105,7 @@ def run_pair(
     spec = _spec(size)
     n_params = sum(p.numel for p in build_job(spec).param_specs())
     src_n, src, dst_n, dst = pair
-    run = JobRunner(snapshot_policy="before_switch")
+    run = JobRunner()
     try:
         run.start(spec, src_n, src)
         run.train(1)  # non-zero optimizer state

@@ -196,31 +196,69 @@ def _pieces(
     return pieces, local
 
 
+def _candidates(p: _Piece, node_of: Mapping[WorkerId, str]) -> list[tuple[WorkerId, int]]:
+    """Holders of a piece on the receiver's node, or all holders when none is."""
+    near = [h for h in p.holders if node_of.get(h[0]) == node_of.get(p.dst)]
+    return near or p.holders
+
+
 def _assign(
-    pieces: list[_Piece], node_of: Mapping[WorkerId, str], balanced: bool
+    pieces: list[_Piece], node_of: Mapping[WorkerId, str], strategy: str
 ) -> tuple[list[Transfer], dict[WorkerId, int]]:
-    """Pick a sender per piece: same node first; then least-loaded (balanced) or first holder."""
+    """Pick a sender per piece among the nearest holders.
+
+    `first`: the first holder. `balanced`: forced pieces first, then largest first (LPT), each
+    to the least-loaded holder. `sticky`: pieces in receiver order, keeping the previous sender of
+    the same receiver while its load stays under an even share, so each receiver gets long
+    contiguous runs from few senders (no unpacking) at the same largest send volume.
+    """
     load: dict[WorkerId, int] = defaultdict(int)
     chosen: list[Transfer] = []
-
-    def candidates(p: _Piece) -> list[tuple[WorkerId, int]]:
-        near = [h for h in p.holders if node_of.get(h[0]) == node_of.get(p.dst)]
-        return near or p.holders
-
     order = list(range(len(pieces)))
-    if balanced:
-        # Forced pieces first, then big before small (LPT) so the greedy balance has room.
-        order.sort(key=lambda i: (len(candidates(pieces[i])), -(pieces[i].end - pieces[i].start)))
+    cap = 0.0
+    if strategy == "balanced":
+        order.sort(
+            key=lambda i: (len(_candidates(pieces[i], node_of)), -(pieces[i].end - pieces[i].start))
+        )
+    elif strategy == "sticky":
+        order.sort(key=lambda i: (str(pieces[i].dst), pieces[i].dst_offset))
+        senders = {h[0] for p in pieces for h in _candidates(p, node_of)}
+        total = sum(p.end - p.start for p in pieces)
+        cap = total / max(1, len(senders))
+    prev: dict[WorkerId, WorkerId] = {}
     for i in order:
         p = pieces[i]
-        cands = candidates(p)
-        if balanced:
-            sender, off = min(cands, key=lambda h: load[h[0]])
-        else:
+        cands = _candidates(p, node_of)
+        size = p.end - p.start
+        if strategy == "first":
             sender, off = cands[0]
-        load[sender] += p.end - p.start
+        elif strategy == "sticky" and any(
+            h[0] == prev.get(p.dst) and load[h[0]] + size <= cap for h in cands
+        ):
+            sender, off = next(h for h in cands if h[0] == prev.get(p.dst))
+        else:
+            sender, off = min(cands, key=lambda h: load[h[0]])
+        prev[p.dst] = sender
+        load[sender] += size
         chosen.append(Transfer(sender, p.dst, p.tensor, p.start, p.end, off, p.dst_offset))
     return chosen, dict(load)
+
+
+def _message_runs(transfers: list[Transfer]) -> int:
+    """Messages the executor would need if every piece ran unpacked (fewer is better)."""
+    runs = 0
+    last: dict[tuple[WorkerId, WorkerId], Transfer] = {}
+    for t in sorted(transfers, key=lambda t: (str(t.src), str(t.dst), t.dst_offset)):
+        key = (t.src, t.dst)
+        q = last.get(key)
+        if (
+            q is None
+            or q.src_offset + q.numel != t.src_offset
+            or q.dst_offset + q.numel != t.dst_offset
+        ):
+            runs += 1
+        last[key] = t
+    return runs
 
 
 def build_plan(
@@ -233,13 +271,15 @@ def build_plan(
     node_of = node_of or {}
     pieces, local = _pieces(src, dst)
     lower_bound = sum(p.end - p.start for p in pieces) * elem_bytes
-    balanced, load_b = _assign(pieces, node_of, balanced=True)
-    first, load_f = _assign(pieces, node_of, balanced=False)
-    # Greedy balancing is a heuristic; keep the first-holder plan in the rare case it is better.
-    if max(load_f.values(), default=0) < max(load_b.values(), default=0):
-        transfers, load, strategy = first, load_f, "first-holder"
-    else:
-        transfers, load, strategy = balanced, load_b, "balanced"
+    # The balancing strategies are heuristics: keep whichever gives the smallest largest send
+    # volume, then the fewest messages; "first" is the reference they must never lose to.
+    options = []
+    for rank, name in enumerate(("sticky", "balanced", "first")):
+        chosen, load = _assign(pieces, node_of, name)
+        options.append(
+            (max(load.values(), default=0), _message_runs(chosen), rank, name, chosen, load)
+        )
+    _, _, _, strategy, transfers, load = min(options, key=lambda o: o[:3])
     order = {w: i for i, w in enumerate(dict.fromkeys([*src, *dst]))}
     transfers.sort(key=lambda t: (order[t.src], order[t.dst], t.dst_offset))
     local.sort(key=lambda c: (order[c.worker], c.dst_offset))
@@ -261,5 +301,5 @@ def first_holder_max_send_bytes(
 ) -> int:
     """Largest per-worker send volume when every piece goes to its first (nearest) holder."""
     pieces, _ = _pieces(src, dst)
-    _, load = _assign(pieces, node_of or {}, balanced=False)
+    _, load = _assign(pieces, node_of or {}, "first")
     return max(load.values(), default=0) * elem_bytes

@@ -123,7 +123,7 @@ class JobRunner:
 
     def __init__(
         self,
-        snapshot_policy: Literal["before_switch", "none"] = "before_switch",
+        snapshot_policy: Literal["auto", "before_switch", "none"] = "auto",
         timeout_s: float = 60.0,
         backend: str | None = None,
         store_host: str = "127.0.0.1",
@@ -564,11 +564,17 @@ class JobRunner:
         t_start = time.perf_counter()
         old = list(self._ranks)
         snapshot_s = 0.0
-        if self.snapshot_policy == "before_switch":
+        # "auto": only when some state has a single holder (dp == 1); with replicas a dead
+        # worker's state is rebuilt from its peers instead.
+        if self.snapshot_policy == "before_switch" or (
+            self.snapshot_policy == "auto" and old_layout.dp == 1
+        ):
             t0 = time.perf_counter()
             snaps = self._call([(h, "snapshot", {}) for h in old])
             self._snapshot = {h.worker_id: s for h, s in zip(old, snaps, strict=True)}
             snapshot_s = time.perf_counter() - t0
+        else:
+            self._snapshot = {}  # an older snapshot is of another layout: not restorable here
 
         t0 = time.perf_counter()
         target = self._assign_ranks(old_layout, new_layout, keep, added)

@@ -87,6 +87,7 @@ class Worker:
         self.step = 0
         self.tp = TensorParallel()
         self.dp_group: dist.ProcessGroup | None = None
+        self._snap: torch.Tensor | None = None
         self._pending: tuple[Layout | None, int, torch.Tensor | None, int] | None = None
 
     # ----- process groups -------------------------------------------------------------------
@@ -152,9 +153,12 @@ class Worker:
     def cmd_snapshot(self) -> tuple[torch.Tensor, Layout, int, int]:
         """A copy of the state in shared memory; it outlives this process if the parent keeps it."""
         assert self.flat is not None and self.layout is not None
-        snap = torch.empty(self.flat.numel()).share_memory_()
-        snap.copy_(self.flat)
-        return snap, self.layout, self.rank, self.step
+        # Reuse the shared-memory block of the previous snapshot when the size matches: refilling
+        # warm pages is several times faster than faulting in fresh ones.
+        if self._snap is None or self._snap.numel() != self.flat.numel():
+            self._snap = torch.empty(self.flat.numel()).share_memory_()
+        self._snap.copy_(self.flat)
+        return self._snap, self.layout, self.rank, self.step
 
     def cmd_restore(self, snap: torch.Tensor, layout: Layout, rank: int, step: int) -> None:
         """Load a snapshot (layout, rank must match the current process group)."""
