@@ -16,6 +16,8 @@ completion time, then carbon (at the problem's price) and GPU-count changes.
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -194,61 +196,80 @@ def fit_slot(
     problem = state.problem
     kg_per_w = state.kg_per_w[t]
     cap = problem.capacity_gpus[t]
-    rows = np.arange(arrays.num_jobs)
     n_opts = np.array(arrays.valid.sum(axis=1))
     thr = np.concatenate([np.zeros((arrays.num_jobs, 1)), arrays.throughput], axis=1)
     gpu = np.concatenate([np.zeros((arrays.num_jobs, 1)), arrays.gpus], axis=1)
     pw = np.concatenate([np.zeros((arrays.num_jobs, 1)), arrays.power_w], axis=1)
     idx = choice + 1  # 0 = off
 
-    def used() -> float:
-        return float(gpu[rows, idx].sum())
+    thr_l, gpu_l, pw_l = thr.tolist(), gpu.tolist(), pw.tolist()
+    loss_l = np.asarray(loss_weight, dtype=float).tolist()
+    rate_l = None if min_rate is None else np.asarray(min_rate, dtype=float).tolist()
+    cur = idx.tolist()
 
-    def kg() -> float:
-        return float(pw[rows, idx].sum() * kg_per_w)
-
-    # Downgrade until capacity and budget hold.
-    while used() > cap or kg() > budget_kg * (1 - 1e-9):
-        over_cap = used() > cap
-        can = idx > 0
-        lower = np.maximum(idx - 1, 0)
-        lost = (thr[rows, idx] - thr[rows, lower]) * loss_weight
-        if min_rate is not None:
+    def down_score(i: int, table: list[list[float]]) -> float:
+        k = cur[i]
+        lost = (thr_l[i][k] - thr_l[i][k - 1]) * loss_l[i]
+        if rate_l is not None and thr_l[i][k - 1] < rate_l[i] * (1 - 1e-9):
             # Falling below the pace a deadline needs costs far more than any other loss.
-            lost = lost * np.where(thr[rows, lower] < min_rate * (1 - 1e-9), 1e6, 1.0)
-        freed = (
-            (gpu[rows, idx] - gpu[rows, lower]) if over_cap else (pw[rows, idx] - pw[rows, lower])
-        )
-        score = np.where(can & (freed > 0), lost / np.maximum(freed, 1e-12), np.inf)
-        pick = int(np.argmin(score))
-        if not np.isfinite(score[pick]):
-            # Nothing frees resources: switch the cheapest job off entirely.
-            pick = int(np.argmax(np.where(can, pw[rows, idx], -1)))
-            if not can[pick]:
-                break
-            idx[pick] = 0
-            continue
-        idx[pick] = lower[pick]
+            lost *= 1e6
+        freed = table[i][k] - table[i][k - 1]
+        return lost / freed if freed > 0 else math.inf
+
+    def downgrade(excess: float, table: list[list[float]]) -> None:
+        # One-at-a-time greedy (cheapest step first), merged over jobs with a heap.
+        heap = [(down_score(i, table), i) for i in range(len(cur)) if cur[i] > 0]
+        heapq.heapify(heap)
+        while excess > 1e-9 and heap:
+            score, i = heapq.heappop(heap)
+            k = cur[i]
+            target = 0 if math.isinf(score) else k - 1  # no saving per step: switch it off
+            excess -= table[i][k] - table[i][target]
+            cur[i] = target
+            if target > 0:
+                heapq.heappush(heap, (down_score(i, table), i))
+
+    used = sum(gpu_l[i][cur[i]] for i in range(len(cur)))
+    if used > cap:
+        downgrade(used - cap, gpu_l)
+    if kg_per_w > 0:
+        watts = sum(pw_l[i][cur[i]] for i in range(len(cur)))
+        limit_w = budget_kg * (1 - 1e-9) / kg_per_w
+        if watts > limit_w:
+            downgrade(watts - limit_w, pw_l)
     if fill:
-        while True:
-            spare = cap - used()
-            room_kg = budget_kg - kg()
-            upper = np.minimum(idx + 1, n_opts)
-            extra_gpu = gpu[rows, upper] - gpu[rows, idx]
-            extra_kg = (pw[rows, upper] - pw[rows, idx]) * kg_per_w
-            gain = (thr[rows, upper] - thr[rows, idx]) * gain_weight
-            ok = (
-                active
-                & (upper > idx)
-                & (extra_gpu <= spare)
-                & (extra_kg <= room_kg + 1e-12)
-                & (gain > 0)
-            )
-            if not ok.any():
-                break
-            score = np.where(ok, gain / np.maximum(extra_gpu, 1e-12), -np.inf)
-            pick = int(np.argmax(score))
-            idx[pick] = upper[pick]
+        spare = cap - sum(gpu_l[i][cur[i]] for i in range(len(cur)))
+        room_kg = budget_kg - sum(pw_l[i][cur[i]] for i in range(len(cur))) * kg_per_w
+        gain_l = np.asarray(gain_weight, dtype=float).tolist()
+        opts_l = n_opts.tolist()
+        active_l = np.asarray(active, dtype=bool).tolist()
+
+        def up_entry(i: int) -> tuple[float, int] | None:
+            k = cur[i]
+            if not active_l[i] or k >= opts_l[i]:
+                return None
+            gain = (thr_l[i][k + 1] - thr_l[i][k]) * gain_l[i]
+            extra = gpu_l[i][k + 1] - gpu_l[i][k]
+            if gain <= 0 or extra <= 0:
+                return None
+            return (-gain / extra, i)
+
+        heap = [e for e in (up_entry(i) for i in range(len(cur))) if e is not None]
+        heapq.heapify(heap)
+        while heap and spare > 0:
+            _, i = heapq.heappop(heap)
+            k = cur[i]
+            extra = gpu_l[i][k + 1] - gpu_l[i][k]
+            extra_kg = (pw_l[i][k + 1] - pw_l[i][k]) * kg_per_w
+            if extra > spare or extra_kg > room_kg + 1e-12:
+                continue  # spare and room only shrink: this job cannot grow further
+            cur[i] = k + 1
+            spare -= extra
+            room_kg -= extra_kg
+            entry = up_entry(i)
+            if entry is not None:
+                heapq.heappush(heap, entry)
+    idx = np.array(cur, dtype=int)
     return idx - 1
 
 
