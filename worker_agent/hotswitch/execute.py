@@ -73,17 +73,6 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             d.copy_(s)
 
 
-def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Coalesce (offset, numel) pairs that follow each other into (offset, numel) runs."""
-    out: list[tuple[int, int]] = []
-    for off, n in pairs:
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((off, n))
-    return out
-
-
 def _is_identity(copies: Sequence[LocalCopy], old_numel: int, new_numel: int) -> bool:
     """True when the new buffer would be a byte-for-byte copy of the old one."""
     return (
@@ -105,9 +94,6 @@ def execute_plan(
 ) -> tuple[torch.Tensor | None, ExecStats]:
     """Run this worker's part of `plan`; returns its new flat state (None when it leaves)."""
     min_run = DIRECT_MIN_RUN_BYTES if direct_min_run_bytes is None else direct_min_run_bytes
-
-    def _direct(ts: Sequence[Transfer]) -> bool:
-        return _is_direct(ts, plan.elem_bytes, min_run)
 
     stats = ExecStats()
     device = buffers.device
@@ -135,66 +121,66 @@ def execute_plan(
     sends = plan.sends_of(me)
     recvs = plan.recvs_of(me)
     ops: list[dist.P2POp] = []
-    unpack: list[tuple[torch.Tensor, list[Transfer]]] = []
+
+    # Per peer, runs contiguous on both sides; big runs travel as their own message straight
+    # from/into the state buffers, the small ones are fused into one packed message.
+    send_split = {p: _split(ts, plan.elem_bytes, min_run) for p, ts in sends.items()}
+    recv_split = {p: _split(ts, plan.elem_bytes, min_run) for p, ts in recvs.items()}
 
     t0 = time.perf_counter()
-    fused_send = {p: ts for p, ts in sends.items() if not _direct(ts) and len(_runs_src(ts)) > 1}
-    send_total = sum(t.numel for ts in fused_send.values() for t in ts)
-    staging = buffers.send(send_total) if send_total else None
+    packed = [small for small, _ in send_split.values() if len(small) > 1]
+    staging = buffers.send(sum(n for small in packed for _, _, n in small)) if packed else None
     pos = 0
-    for peer, ts in sends.items():
+    for peer, (small, big) in send_split.items():
         assert old_flat is not None, "a worker without state cannot send"
-        n = sum(t.numel for t in ts)
-        stats.bytes_sent += n * plan.elem_bytes
-        if _direct(ts):
-            # Large pieces: one message per run straight from the state buffer, no packing.
-            for s_off, _, k in _runs2(_triples(ts)):
-                ops.append(
-                    dist.P2POp(dist.isend, old_flat[s_off : s_off + k], group_rank[peer], group)
-                )
-                stats.zero_copy_messages += 1
-            continue
-        runs = _runs_src(ts)
-        if len(runs) == 1:
-            msg = old_flat[runs[0][0] : runs[0][0] + n]
-            stats.zero_copy_messages += 1
-        else:
+        msgs: list[torch.Tensor] = []
+        if len(small) == 1:
+            s_off, _, k = small[0]
+            msgs.append(old_flat[s_off : s_off + k])
+        elif small:
             assert staging is not None
+            n = sum(k for _, _, k in small)
             msg = staging[pos : pos + n]
-            dst_views, cur = [], 0
-            for _, k in runs:
-                dst_views.append(msg[cur : cur + k])
+            views, cur = [], 0
+            for _, _, k in small:
+                views.append(msg[cur : cur + k])
                 cur += k
-            _copy_all(dst_views, [old_flat[off : off + k] for off, k in runs])
+            _copy_all(views, [old_flat[s_off : s_off + k] for s_off, _, k in small])
+            msgs.append(msg)
             pos += n
-        ops.append(dist.P2POp(dist.isend, msg, group_rank[peer], group))
+        msgs += [old_flat[s_off : s_off + k] for s_off, _, k in big]
+        stats.zero_copy_messages += len(big) + (len(small) == 1)
+        for m in msgs:
+            ops.append(dist.P2POp(dist.isend, m, group_rank[peer], group))
+            stats.bytes_sent += m.numel() * plan.elem_bytes
     stats.pack_s = time.perf_counter() - t0
 
-    fused_recv = {p: ts for p, ts in recvs.items() if not _direct(ts) and len(_runs_dst(ts)) > 1}
-    recv_total = sum(t.numel for ts in fused_recv.values() for t in ts)
-    rstaging = buffers.recv(recv_total) if recv_total else None
+    packed_r = [small for small, _ in recv_split.values() if len(small) > 1]
+    rstaging = buffers.recv(sum(n for small in packed_r for _, _, n in small)) if packed_r else None
     pos = 0
-    for peer, ts in recvs.items():
+    unpack_views: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for peer, (small, big) in recv_split.items():
         assert new_flat is not None, "a leaving worker cannot receive"
-        n = sum(t.numel for t in ts)
-        stats.bytes_received += n * plan.elem_bytes
-        if _direct(ts):
-            for _, d_off, k in _runs2(_triples(ts)):
-                ops.append(
-                    dist.P2POp(dist.irecv, new_flat[d_off : d_off + k], group_rank[peer], group)
-                )
-                stats.zero_copy_messages += 1
-            continue
-        runs = _runs_dst(ts)
-        if len(runs) == 1:
-            msg = new_flat[runs[0][0] : runs[0][0] + n]
-            stats.zero_copy_messages += 1
-        else:
+        msgs = []
+        if len(small) == 1:
+            _, d_off, k = small[0]
+            msgs.append(new_flat[d_off : d_off + k])
+        elif small:
             assert rstaging is not None
+            n = sum(k for _, _, k in small)
             msg = rstaging[pos : pos + n]
+            cur = 0
+            for _, d_off, k in small:
+                unpack_views[0].append(new_flat[d_off : d_off + k])
+                unpack_views[1].append(msg[cur : cur + k])
+                cur += k
+            msgs.append(msg)
             pos += n
-            unpack.append((msg, ts))
-        ops.append(dist.P2POp(dist.irecv, msg, group_rank[peer], group))
+        msgs += [new_flat[d_off : d_off + k] for _, d_off, k in big]
+        stats.zero_copy_messages += len(big) + (len(small) == 1)
+        for m in msgs:
+            ops.append(dist.P2POp(dist.irecv, m, group_rank[peer], group))
+            stats.bytes_received += m.numel() * plan.elem_bytes
     stats.messages = len(ops)
 
     t0 = time.perf_counter()
@@ -204,14 +190,7 @@ def execute_plan(
     stats.comm_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    for msg, ts in unpack:
-        assert new_flat is not None
-        src_views, dst_views, cur = [], [], 0
-        for off, k in _runs_dst(ts):
-            src_views.append(msg[cur : cur + k])
-            dst_views.append(new_flat[off : off + k])
-            cur += k
-        _copy_all(dst_views, src_views)
+    _copy_all(unpack_views[0], unpack_views[1])
     stats.unpack_s = time.perf_counter() - t0
     return new_flat, stats
 
@@ -227,29 +206,20 @@ def _runs2(triples: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]
     return out
 
 
-DIRECT_MIN_RUN_BYTES = 1 << 20
-"""Runs at least this large (on average) go as their own messages instead of being packed."""
+DIRECT_MIN_RUN_BYTES = 512 * 1024
+"""Runs at least this large travel as their own message instead of being packed."""
 
 
-def _triples(ts: Sequence[Transfer]) -> list[tuple[int, int, int]]:
-    return [(t.src_offset, t.dst_offset, t.numel) for t in ts]
-
-
-def _is_direct(ts: Sequence[Transfer], elem_bytes: int, min_run_bytes: int) -> bool:
-    """Send a peer's pieces as separate zero-copy messages (both sides decide the same way).
+def _split(
+    ts: Sequence[Transfer], elem_bytes: int, min_run_bytes: int
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """A peer's (src, dst, numel) runs: (small ones to fuse, big ones to send unpacked).
 
     Packing costs a memory pass on each side (the prototype spent ~70 % of a switch there);
-    for large contiguous runs the per-message overhead is far smaller than that pass.
+    for big runs one more message is far cheaper than that pass. Both sides compute the same
+    split from the same ordered piece list, so their messages match one to one.
     """
-    runs = _runs2(_triples(ts))
-    if len(runs) <= 1:
-        return False
-    return sum(n for _, _, n in runs) * elem_bytes / len(runs) >= min_run_bytes
-
-
-def _runs_src(ts: Sequence[Transfer]) -> list[tuple[int, int]]:
-    return _runs([(t.src_offset, t.numel) for t in ts])
-
-
-def _runs_dst(ts: Sequence[Transfer]) -> list[tuple[int, int]]:
-    return _runs([(t.dst_offset, t.numel) for t in ts])
+    runs = _runs2([(t.src_offset, t.dst_offset, t.numel) for t in ts])
+    small = [r for r in runs if r[2] * elem_bytes < min_run_bytes]
+    big = [r for r in runs if r[2] * elem_bytes >= min_run_bytes]
+    return small, big
