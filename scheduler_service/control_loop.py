@@ -10,6 +10,7 @@ from datetime import datetime
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
 
 from energy_model.carbon.forecast import CarbonForecast
 from energy_model.carbon.resilient import ResilientCarbonSource
@@ -17,7 +18,7 @@ from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import AllocationPlan
 from scheduler_service.carbon.service import make_carbon_source, record_forecast
 from scheduler_service.db.base import utcnow
-from scheduler_service.db.session import transaction
+from scheduler_service.db.session import run_in_transaction, transaction
 from scheduler_service.dispatch import service as dispatch
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.repository import JobRepository
@@ -92,6 +93,10 @@ class ControlLoop:
                     self.leader_since = None
             except asyncio.CancelledError:
                 raise
+            except StaleDataError:
+                # A job changed (telemetry, a cancel) while we planned: plan again at once.
+                log.info("a job changed during the tick; planning again")
+                continue
             except Exception:
                 log.exception("control-loop tick failed; retrying next slot")
             self.wake_event.clear()
@@ -188,9 +193,12 @@ class ControlLoop:
         return True
 
     def _record_ack(self, allocation_id: int, ack: dispatch.AllocationAck | None) -> None:
-        with transaction(self.session_factory) as session:
-            dispatch.record_ack(session, allocation_id, ack)
+        run_in_transaction(
+            self.session_factory, lambda s: dispatch.record_ack(s, allocation_id, ack)
+        )
 
     def _record_failure(self, allocation_id: int, error: str, rejected: bool) -> None:
-        with transaction(self.session_factory) as session:
-            dispatch.record_failure(session, allocation_id, error, rejected=rejected)
+        run_in_transaction(
+            self.session_factory,
+            lambda s: dispatch.record_failure(s, allocation_id, error, rejected=rejected),
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
+from sqlalchemy.orm.exc import StaleDataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -36,6 +37,12 @@ def install_error_handlers(app: FastAPI) -> None:
             allow = ", ".join(_allowed_methods(app, request))
             return JSONResponse({"detail": exc.detail}, status_code=405, headers={"Allow": allow})
         return await http_exception_handler(request, exc)
+
+    @app.exception_handler(StaleDataError)
+    async def _stale(_: Request, exc: StaleDataError) -> JSONResponse:
+        return _detail(
+            409, "the job changed while this request ran (the scheduler updated it); retry"
+        )
 
     @app.exception_handler(JobNotFound)
     async def _not_found(_: Request, exc: JobNotFound) -> JSONResponse:

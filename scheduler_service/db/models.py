@@ -66,9 +66,15 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
 
+    # Optimistic concurrency: the control loop and the API both change jobs; an update made
+    # from a stale read fails (StaleDataError) instead of silently overwriting a newer state.
+    version: Mapped[int] = mapped_column(default=1, server_default="1")
+
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", lazy="raise", order_by="JobEvent.id"
     )
+
+    __mapper_args__ = {"version_id_col": version}  # noqa: RUF012
 
 
 class JobEvent(Base):

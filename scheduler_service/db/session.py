@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
+
+T = TypeVar("T")
 
 
 def normalise_url(url: str) -> str:
@@ -53,3 +57,17 @@ def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def run_in_transaction(
+    factory: sessionmaker[Session], work: Callable[[Session], T], attempts: int = 3
+) -> T:
+    """Run `work` in its own transaction, again from scratch if a concurrent update made it stale."""
+    for attempt in Retrying(
+        stop=stop_after_attempt(attempts),
+        retry=retry_if_exception_type(StaleDataError),
+        reraise=True,
+    ):
+        with attempt, transaction(factory) as session:
+            return work(session)
+    raise AssertionError("unreachable: tenacity reraises the last error")

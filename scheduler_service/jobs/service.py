@@ -151,7 +151,9 @@ def set_hold(session: Session, principal: Principal, job_id: int, *, held: bool)
     """Hold (keep off GPUs) or release a job; operators only."""
     if not principal.is_operator:
         raise NotAllowed("only operators can hold or release jobs")
-    job = get_visible_job(session, principal, job_id)
+    get_visible_job(session, principal, job_id)
+    job = JobRepository(session).get(job_id, for_update=True)
+    assert job is not None
     if JobState(job.state) in TERMINAL_STATES:
         raise InvalidTransition(job.id, job.state, job.state)
     if job.held != held:
@@ -171,7 +173,9 @@ def set_priority(session: Session, principal: Principal, job_id: int, *, priorit
     """Change a job's priority; operators only."""
     if not principal.is_operator:
         raise NotAllowed("only operators can change priorities")
-    job = get_visible_job(session, principal, job_id)
+    get_visible_job(session, principal, job_id)
+    job = JobRepository(session).get(job_id, for_update=True)
+    assert job is not None
     if job.priority != priority:
         JobRepository(session).add_event(
             JobEvent(

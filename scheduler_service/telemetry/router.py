@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request
 
+from scheduler_service.db.session import run_in_transaction
 from scheduler_service.deps import Agent, SessionDep, UserOrOperator
 from scheduler_service.exceptions import error_responses
 from scheduler_service.jobs.service import get_visible_job
@@ -18,11 +19,12 @@ router = APIRouter(tags=["telemetry"], responses=error_responses(401, 403))
 
 
 @router.post("/v1/telemetry", responses=error_responses(400))
-def report_telemetry(
-    body: TelemetryReport, session: SessionDep, _agent: Agent, request: Request
-) -> TelemetryAck:
+def report_telemetry(body: TelemetryReport, _agent: Agent, request: Request) -> TelemetryAck:
     """Store an agent's telemetry batch (idempotent per sample_id)."""
-    result = service.ingest(session, None, body)
+    # Its own transaction, retried if the control loop changed one of the jobs meanwhile.
+    result = run_in_transaction(
+        request.app.state.session_factory, lambda s: service.ingest(s, None, body)
+    )
     if result.finished_job_ids:
         request.app.state.wake_control_loop()
     return TelemetryAck(stored=result.stored, duplicates=result.duplicates)

@@ -45,7 +45,7 @@ def ingest(session: Session, node: Node | None, report: TelemetryReport) -> Inge
         if sample.sample_id in known or sample.sample_id in seen:
             continue
         seen.add(sample.sample_id)
-        job = jobs.get(sample.job_id)
+        job = jobs.get(sample.job_id, for_update=True)
         if job is None:
             continue  # a job deleted meanwhile: nothing to charge it to
         repo.add(
