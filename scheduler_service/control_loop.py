@@ -16,7 +16,7 @@ from energy_model.carbon.forecast import CarbonForecast
 from energy_model.carbon.resilient import ResilientCarbonSource
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import AllocationPlan
-from scheduler_service.carbon.service import make_carbon_source, record_forecast
+from scheduler_service.carbon.service import anchor_replay, make_carbon_source, record_forecast
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.session import run_in_transaction, transaction
 from scheduler_service.dispatch import service as dispatch
@@ -83,6 +83,9 @@ class ControlLoop:
     async def run(self) -> None:
         """Tick every slot, or sooner when woken, until stopped."""
         self._loop = asyncio.get_running_loop()
+        with transaction(self.session_factory) as session:
+            if anchor_replay(session, self.carbon):
+                log.info("carbon replay resumed where the previous scheduler left it")
         while not self._stopping:
             try:
                 if await asyncio.to_thread(self.leader.try_acquire):

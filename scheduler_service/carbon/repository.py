@@ -39,6 +39,15 @@ class CarbonRepository:
             select(CarbonForecastRecord).order_by(CarbonForecastRecord.id.desc()).limit(1)
         )
 
+    def first_fetch_of(self, source_prefix: str) -> datetime | None:
+        """When a forecast from a source starting with `source_prefix` was first stored."""
+        return self.session.scalar(
+            select(CarbonForecastRecord.fetched_at)
+            .where(CarbonForecastRecord.source.startswith(source_prefix, autoescape=True))
+            .order_by(CarbonForecastRecord.fetched_at)
+            .limit(1)
+        )
+
     def samples_between(self, start_at: datetime, end_at: datetime) -> list[CarbonIntensitySample]:
         """Intensity samples in [start_at, end_at], plus the last one before start_at, by time."""
         before = self.session.scalar(

@@ -8,6 +8,7 @@ from energy_model.carbon.factory import CarbonConfig as ProviderConfig
 from energy_model.carbon.factory import build_source
 from energy_model.carbon.forecast import CarbonForecast, PointKind
 from energy_model.carbon.resilient import ResilientCarbonSource
+from energy_model.carbon.trace import TraceProvider
 from scheduler_service.carbon.repository import CarbonRepository
 from scheduler_service.db.models import CarbonForecastRecord, CarbonIntensitySample
 from scheduler_service.settings import CarbonConfig
@@ -65,3 +66,16 @@ def record_forecast(session: Session, forecast: CarbonForecast) -> None:
             fetched_at=forecast.fetched_at,
         )
     )
+
+
+def anchor_replay(session: Session, source: ResilientCarbonSource) -> bool:
+    """Resume a trace/synthetic replay where it was before a restart instead of rewinding it."""
+    provider = source.provider
+    if not isinstance(provider, TraceProvider):
+        return False
+    first = CarbonRepository(session).first_fetch_of(provider.source)
+    if first is None or first >= provider.wall_start_at:
+        return False
+    # The replay's clock started when the first scheduler process fetched from it.
+    provider.wall_start_at = first
+    return True
