@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -60,6 +63,23 @@ class LpResult:
     x: np.ndarray  # [num_options, num_slots]
     cumulative: np.ndarray  # [jobs, slots] fraction of remaining work done by the slot's end
     missed: np.ndarray  # [jobs] the LP's deadline-miss variable (0 without a deadline)
+
+
+@contextmanager
+def _native_stdout_to_stderr() -> Iterator[None]:
+    """Send C-level stdout to stderr: HiGHS' MIP prints debug lines even with output_flag off."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no real fd 1 (e.g. captured): nothing to protect
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _all_values(solver: mb.Solver, model: mb.Model) -> np.ndarray:
@@ -121,7 +141,8 @@ def solve_mip(
     solver.set_solver_specific_parameters(
         f"output_flag=false\nthreads=1\nrandom_seed={int(seed)}\nmip_rel_gap=1e-4\n"
     )
-    status = solver.solve(model)
+    with _native_stdout_to_stderr():
+        status = solver.solve(model)
     if status not in (mb.SolveStatus.OPTIMAL, mb.SolveStatus.FEASIBLE):
         return None, None, False
     values = _all_values(solver, model)
