@@ -44,7 +44,8 @@ def make_jobs(num_jobs: int, max_gpus: int, data: Path, rng: np.random.Generator
     jobs = []
     for i in range(num_jobs):
         table = tables[int(rng.integers(len(tables)))]
-        counts, rates = [], []
+        counts: list[int] = []
+        rates: list[float] = []
         for g in sorted(table):
             if g <= max_gpus and (not rates or table[g] > rates[-1]):
                 counts.append(g)
