@@ -67,3 +67,21 @@ def test_unique_state_without_snapshot_is_reported_lost() -> None:
         run.arm_fault(rank=1)
         with pytest.raises(Exception, match="lost"):
             run.resize(2, Layout(dp=2))
+
+
+def test_failed_transfer_keeps_every_worker_in_the_old_layout() -> None:
+    with JobRunner(snapshot_policy="none", timeout_s=30) as run:
+        run.start(SPEC, 2, Layout(tp=2))
+        run.train(1)
+        before = run.gather_state()
+        pids = run.worker_pids()
+        run.arm_fault(rank=0, mode="transfer")
+        with pytest.raises(SwitchFailed, match="injected transfer failure") as info:
+            run.resize(2, Layout(pp=2))
+        assert info.value.recovered_from == "old-layout"
+        assert run.layout == Layout(tp=2) and run.worker_pids() == pids
+        _assert_state_equal(before, run.gather_state())
+        # The fault fired once; the next attempt succeeds and moves exactly the lower bound.
+        report = run.resize(2, Layout(pp=2))
+        assert report.ok and report.bytes_moved == report.bytes_lower_bound
+        _assert_state_equal(before, run.gather_state())

@@ -368,9 +368,9 @@ class JobRunner:
                 mask[start:end] = True
         return out
 
-    def arm_fault(self, rank: int) -> None:
-        """Test hook: the worker at `rank` exits abruptly inside the next switch."""
-        self._call([(self._ranks[rank], "arm_fault", {})])
+    def arm_fault(self, rank: int, mode: Literal["switch", "transfer"] = "switch") -> None:
+        """Test hook: the worker at `rank` exits (`switch`) or raises (`transfer`) in the next switch."""
+        self._call([(self._ranks[rank], "arm_fault", {"mode": mode})])
 
     def stop(self) -> None:
         """Stop training and release every worker."""

@@ -44,7 +44,7 @@ class WorkerConfig:
     direct_min_run_bytes: int | None = None
     """Switch messages: runs at least this large go unpacked (None: the executor's default)."""
     fail_at: str | None = None
-    """Test hook: `"switch"` makes this worker exit abruptly in the middle of its next switch."""
+    """Test hook: `"switch"` exits abruptly, `"transfer"` raises, inside the next switch."""
 
 
 @dataclass
@@ -314,15 +314,25 @@ class Worker:
         new_numel = None
         if new_layout is not None:
             new_numel = shard_map(self.specs, self.n_blocks, new_layout, new_rank).n_state_elems
-        new_flat, stats = execute_plan(
-            plan,
-            self.cfg.worker_id,
-            self.flat,
-            new_numel,
-            group_rank,
-            self.buffers,
-            direct_min_run_bytes=self.cfg.direct_min_run_bytes,
-        )
+        try:
+            if self.cfg.fail_at == "transfer":
+                self.cfg = dataclasses.replace(self.cfg, fail_at=None)
+                raise RuntimeError("injected transfer failure (test hook)")
+            new_flat, stats = execute_plan(
+                plan,
+                self.cfg.worker_id,
+                self.flat,
+                new_numel,
+                group_rank,
+                self.buffers,
+                direct_min_run_bytes=self.cfg.direct_min_run_bytes,
+            )
+        except Exception:
+            # Leave the group at once so peers blocked on our messages fail now, not at timeout;
+            # the runner forms a new generation for the rollback anyway.
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
         self._pending = (new_layout, new_rank, new_flat, step)
         return stats
 
@@ -398,9 +408,9 @@ class Worker:
         times = sorted(once() for _ in range(repeats))
         return times[len(times) // 2]
 
-    def cmd_arm_fault(self) -> None:
-        """Test hook: exit abruptly at the start of the next switch."""
-        self.cfg = dataclasses.replace(self.cfg, fail_at="switch")
+    def cmd_arm_fault(self, mode: str) -> None:
+        """Test hook: in the next switch, exit abruptly (`switch`) or raise (`transfer`)."""
+        self.cfg = dataclasses.replace(self.cfg, fail_at=mode)
 
     def cmd_build_groups(self) -> None:
         """Create the current layout's TP/DP sub-groups (after a join)."""
