@@ -16,7 +16,12 @@ from energy_model.carbon.forecast import CarbonForecast
 from energy_model.carbon.resilient import ResilientCarbonSource
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import AllocationPlan
-from scheduler_service.carbon.service import anchor_replay, make_carbon_source, record_forecast
+from scheduler_service.carbon.service import (
+    anchor_replay,
+    make_carbon_source,
+    record_forecast,
+    record_intensity_now,
+)
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.session import run_in_transaction, transaction
 from scheduler_service.dispatch import service as dispatch
@@ -86,6 +91,34 @@ class ControlLoop:
         with transaction(self.session_factory) as session:
             if anchor_replay(session, self.carbon):
                 log.info("carbon replay resumed where the previous scheduler left it")
+        sampler = asyncio.create_task(self._sample_carbon(), name="greenflow-carbon-sampler")
+        try:
+            await self._tick_forever()
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+
+    async def _sample_carbon(self) -> None:
+        """Record the intensity now, several times a slot, so the ledger charges what was real."""
+        interval_s = min(max(self.config.planner.slot_s / 5, 1.0), 300.0)
+        while not self._stopping:
+            await asyncio.sleep(interval_s)
+            if self.leader_since is None:
+                continue
+            try:
+                forecast = await self.carbon.get_forecast(int(max(interval_s, 60)))
+                await asyncio.to_thread(self._record_now, forecast)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("recording the carbon intensity failed")
+
+    def _record_now(self, forecast: CarbonForecast) -> None:
+        with transaction(self.session_factory) as session:
+            record_intensity_now(session, forecast)
+
+    async def _tick_forever(self) -> None:
         while not self._stopping:
             try:
                 if await asyncio.to_thread(self.leader.try_acquire):
@@ -121,10 +154,14 @@ class ControlLoop:
         planned, status = await asyncio.to_thread(self._plan, forecast, now)
         deliveries = await asyncio.to_thread(self._deliveries)
         acked = failed = 0
-        for delivery in deliveries:
-            ok = await self._deliver(delivery)
-            acked += ok
-            failed += not ok
+        # Stops and shrinks first (they free slots), then the rest; within a group, in parallel:
+        # starting a job's workers takes seconds and must not hold up the others.
+        for order in sorted({d.order for d in deliveries}):
+            results = await asyncio.gather(
+                *(self._deliver(d) for d in deliveries if d.order == order)
+            )
+            acked += sum(results)
+            failed += len(results) - sum(results)
         self.ticks += 1
         return TickReport(now, planned, len(deliveries), acked, failed, forecast.degraded, status)
 

@@ -53,8 +53,13 @@ def record_forecast(session: Session, forecast: CarbonForecast) -> None:
             ],
         )
     )
+    record_intensity_now(session, forecast)
+
+
+def record_intensity_now(session: Session, forecast: CarbonForecast) -> None:
+    """Store a forecast's first point (the intensity now) as a sample; the ledger charges from these."""
     now = forecast.points[0]
-    repo.add_sample_once(
+    CarbonRepository(session).add_sample_once(
         CarbonIntensitySample(
             region=forecast.region,
             source=forecast.source,

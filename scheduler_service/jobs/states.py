@@ -31,10 +31,13 @@ ACTIVE_STATES = frozenset({JobState.RUNNING, JobState.RESIZING})
 
 _ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
+    # QUEUED/DEFERRED -> SUCCEEDED: the last telemetry of a run can arrive after the job was
+    # re-queued (e.g. its node was lost just as it finished).
     JobState.QUEUED: frozenset(
         {
             JobState.RUNNING,
             JobState.DEFERRED,
+            JobState.SUCCEEDED,
             JobState.CANCELLED,
             JobState.FAILED,
             JobState.DEADLINE_MISSED,
@@ -44,6 +47,7 @@ _ALLOWED: dict[JobState, frozenset[JobState]] = {
         {
             JobState.QUEUED,
             JobState.RUNNING,
+            JobState.SUCCEEDED,
             JobState.CANCELLED,
             JobState.FAILED,
             JobState.DEADLINE_MISSED,

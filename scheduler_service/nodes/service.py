@@ -113,9 +113,8 @@ def heartbeat(
     jobs = JobRepository(session)
     stop: list[int] = []
     held = {slot.job_id for slot in node.slots if slot.job_id is not None}
-    reported = {
-        running.job_id for running in beat.jobs if running.gpus > 0 and not running.finished
-    }
+    # Jobs the agent accounts for: running, paused, or finished (its last telemetry completes them).
+    reported = {running.job_id for running in beat.jobs if running.gpus > 0 or running.finished}
     allocations = AllocationRepository(session)
     for running in beat.jobs:
         job = jobs.get(running.job_id)

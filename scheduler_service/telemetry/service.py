@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 from scheduler_service.db.models import Node
 from scheduler_service.db.models import TelemetrySample as TelemetryRow
 from scheduler_service.jobs.repository import JobRepository
-from scheduler_service.jobs.states import ACTIVE_STATES, JobState, transition
+from scheduler_service.jobs.states import TERMINAL_STATES, JobState, transition
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.telemetry.repository import TelemetryRepository
 from worker_agent.protocol import TelemetryReport
@@ -71,7 +71,9 @@ def ingest(session: Session, node: Node | None, report: TelemetryReport) -> Inge
         job.samples_done = max(job.samples_done, sample.samples_done)
         job.step = max(job.step, sample.step)
         total = total_samples_of(job.total_samples, job.total_steps, job.global_batch_size)
-        if (sample.finished or job.samples_done >= total) and JobState(job.state) in ACTIVE_STATES:
+        if (sample.finished or job.samples_done >= total) and JobState(
+            job.state
+        ) not in TERMINAL_STATES:
             jobs.add_event(
                 transition(
                     job, JobState.SUCCEEDED, reason=f"all {total} samples done", at=sample.at
