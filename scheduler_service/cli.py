@@ -282,13 +282,10 @@ def demo(
 
 def _register_commands() -> None:
     # The agent and the simulator live in their own packages; the CLI is where they meet.
+    from scheduler_service.simulate.cli import simulate
     from worker_agent.cli import agent
 
     app.command(name="agent")(agent)
-    try:
-        from scheduler_service.simulate.cli import simulate
-    except ImportError:  # the trace simulator has not landed in this checkout
-        return
     app.command(name="simulate")(simulate)
 
 
