@@ -13,7 +13,7 @@ LOOP_LOCK_KEY = 0x6772_6E66_6C6F_7700 & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class LeaderLock:
-    """Held for as long as this process's dedicated connection lives; SQLite needs none."""
+    """Held while this process keeps its dedicated session; SQLite (one replica) needs none."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -44,6 +44,7 @@ class LeaderLock:
                 self._conn = conn
                 log.info("this replica now runs the control loop")
                 return True
+            conn.invalidate()
             conn.close()
             return False
         except Exception:
@@ -52,9 +53,16 @@ class LeaderLock:
             return False
 
     def release(self) -> None:
-        """Give up leadership (closing the session frees the lock)."""
+        """Give up leadership: unlock, and end the session rather than return it to the pool."""
         if self._conn is not None:
             try:
+                self._conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": LOOP_LOCK_KEY})
+                self._conn.commit()
+            except Exception:
+                log.debug("unlocking failed; dropping the session frees the lock", exc_info=True)
+            try:
+                # A pooled connection would keep the session, and with it the lock, alive.
+                self._conn.invalidate()
                 self._conn.close()
             except Exception:
                 log.debug("closing the leader connection failed", exc_info=True)
