@@ -540,8 +540,12 @@ class Agent:
             if job is None:
                 continue
             with job.lock:
+                if job.state != "stopped":
+                    continue  # it was placed here again meanwhile (a newer generation restarted it)
                 final = job.running_job()
             with self._lock:
+                if self._jobs.get(job_id) is not job:
+                    continue
                 self._jobs.pop(job_id, None)
                 self._stop_commanded.discard(job_id)
                 self._ended[job_id] = final

@@ -280,7 +280,14 @@ def test_stop_frees_slots(node: Node) -> None:
     wait_gone(pids)
     again = node.http.post("/jobs/1/stop", json={"job_id": 1, "generation": 5})
     assert again.status_code == 200
-    assert node.allocate(1, 6, [0]).status_code == 409  # stopped for good
+    assert node.allocate(1, 4, [0]).status_code == 409  # older than the stop
+    # The scheduler may place the job here again with a newer generation: it starts afresh.
+    restarted = node.allocate(1, 6, [0])
+    assert restarted.status_code == 200, restarted.text
+    assert restarted.json()["step"] == 0
+    assert not set(restarted.json()["worker_pids"]) & set(pids)
+    assert node.http.post("/jobs/1/stop", json={"job_id": 1, "generation": 7}).status_code == 200
+    wait_gone(restarted.json()["worker_pids"])
 
 
 def test_job_finishing_by_itself_reports_finished(node: Node) -> None:
@@ -309,7 +316,12 @@ def test_dead_worker_fails_the_job_and_frees_its_slot(node: Node) -> None:
     node.fake.wait_for(
         lambda: any(j.job_id == 4 and j.error for hb in node.fake.heartbeats for j in hb.jobs)
     )
-    assert node.allocate(4, 2, [1]).status_code == 409  # a failed job is not restarted here
+    # A newer generation restarts a failed job from scratch (the scheduler decides to retry).
+    retried = node.allocate(4, 2, [1])
+    assert retried.status_code == 200, retried.text
+    assert retried.json()["step"] == 0 and pid not in retried.json()["worker_pids"]
+    assert node.http.post("/jobs/4/stop", json={"job_id": 4, "generation": 3}).status_code == 200
+    wait_gone(retried.json()["worker_pids"])
 
 
 def test_jobs_the_scheduler_no_longer_wants_are_stopped_and_forgotten(node: Node) -> None:
@@ -322,7 +334,8 @@ def test_jobs_the_scheduler_no_longer_wants_are_stopped_and_forgotten(node: Node
     node.fake.wait_for(lambda: not {2, 5} & {j.job_id for j in node.http_status().jobs})
     with node.fake.lock:
         node.fake.stop_job_ids = []
-    assert node.allocate(5, 2, [0]).status_code == 409  # stopped for good
+    # The generation it ended at cannot run it again (a newer one would restart it afresh).
+    assert node.allocate(5, 1, [0]).status_code == 409
     stop = node.http.post("/jobs/5/stop", json={"job_id": 5, "generation": 2})
     assert stop.status_code == 200  # a repeated stop stays harmless
     # So is a stop for a job this agent never ran (e.g. the agent restarted): it is not running.

@@ -8,6 +8,7 @@ and that killing the scheduler or an agent loses nothing.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -32,12 +33,12 @@ CLEAN_G_PER_KWH = 10.0
 
 
 def _write_trace(path: Path) -> None:
-    # 48 hours; the replay starts at hour 24 (the provider keeps the first half as history):
-    # hours 24-26 dirty, 27-44 clean, then dirty again.
+    # 72 hours; the replay starts at hour 36 (the provider keeps the first half as history):
+    # hours 36-38 dirty (15 s), 39-68 clean (150 s), then dirty again.
     start = datetime(2026, 1, 1, tzinfo=UTC)
     rows = ["time,intensity"]
-    for hour in range(48):
-        value = CLEAN_G_PER_KWH if 27 <= hour <= 44 else DIRTY_G_PER_KWH
+    for hour in range(72):
+        value = CLEAN_G_PER_KWH if 39 <= hour <= 68 else DIRTY_G_PER_KWH
         rows.append(f"{(start + timedelta(hours=hour)).isoformat()},{value}")
     path.write_text("\n".join(rows) + "\n")
 
@@ -302,10 +303,23 @@ def test_scheduler_drives_real_agents_end_to_end(stack: Stack) -> None:
         known = [p for p in carbon if datetime.fromisoformat(p["at"]) <= moment]
         return known[-1]["intensity_g_per_kwh"] if known else DIRTY_G_PER_KWH
 
+    # The loop reacts within a slot or two (plan, then a hot switch or pause): samples from the
+    # first 10 s after the grid changed show the old decision and are left out.
+    changes = [
+        datetime.fromisoformat(b["at"])
+        for a, b in itertools.pairwise(carbon)
+        if (a["intensity_g_per_kwh"] < 100) != (b["intensity_g_per_kwh"] < 100)
+    ]
+
+    def settled(sample: dict[str, Any]) -> bool:
+        start = datetime.fromisoformat(sample["at"]) - timedelta(seconds=sample["interval_s"])
+        return not any(timedelta(0) <= start - change < timedelta(seconds=10) for change in changes)
+
     clean, dirty = [], []
     for job_id in job_ids:
         for sample in stack.get(f"/v1/jobs/{job_id}/telemetry", limit=5000):
-            (clean if intensity_at(sample["at"]) < 100 else dirty).append(sample["gpus"])
+            if settled(sample):
+                (clean if intensity_at(sample["at"]) < 100 else dirty).append(sample["gpus"])
     assert clean, "no work ran in the clean window"
     clean_gpus = sum(clean) / len(clean)
     dirty_gpus = sum(dirty) / len(dirty) if dirty else 0.0
