@@ -28,7 +28,8 @@ from tests.support.processes import GREENFLOW, free_port, wait_http_ok
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(900)]
 
 TRACE_HOUR_S = 5.0
-DIRTY_G_PER_KWH = 900.0
+# Far dirtier than any real grid, so that even a slot straddling the boundary is over budget.
+DIRTY_G_PER_KWH = 5000.0
 CLEAN_G_PER_KWH = 5.0
 
 
@@ -54,7 +55,7 @@ region = "e2e"
 trace_path = "{trace}"
 clock_speedup = {speedup}
 forecast_mode = "oracle"
-conservative_intensity_g_per_kwh = 900
+conservative_intensity_g_per_kwh = 5000
 [planner]
 slot_s = 5
 horizon_s = 100
@@ -66,8 +67,8 @@ agent_heartbeat_interval_s = 1
 agent_telemetry_interval_s = 1
 """
 
-# Less than one 5-s slot of one GPU costs in the dirty hours (about 0.5 g); the clean hours need
-# a fraction of it. So nothing may run while it is dirty.
+# Less than one second of one GPU costs in the dirty hours (about 0.6 g); the clean hours need a
+# fraction of it. So nothing may run while it is dirty, not even in a slot straddling the change.
 BUDGET_KG = 0.0004
 
 
@@ -209,20 +210,21 @@ def test_scheduler_drives_real_agents_end_to_end(stack: Stack) -> None:
     stack.start_agent("node-b", 2)
     wait_until("two nodes", lambda: len(stack.get("/v1/nodes")) == 2, 90, stack)
 
+    # Two jobs of similar speed that each want a whole node.
     specs = [
         {
-            "name": "gpt",
+            "name": "gpt-a",
             "workload": "gpt-tiny",
             "global_batch_size": 16,
-            "total_samples": 24_000,
+            "total_samples": 40_000,
             "min_gpus": 1,
             "max_gpus": 2,
         },
         {
-            "name": "mlp",
-            "workload": "mlp",
-            "global_batch_size": 32,
-            "total_samples": 96_000,
+            "name": "gpt-b",
+            "workload": "gpt-tiny",
+            "global_batch_size": 16,
+            "total_samples": 40_000,
             "min_gpus": 1,
             "max_gpus": 2,
         },
