@@ -60,12 +60,19 @@ def charge_new_telemetry(session: Session, config: GreenflowConfig) -> int:
     ledger = LedgerRepository(session)
     pue = config.cluster.pue
     kind: PeriodKind = config.budget.period
+    if not samples:
+        return 0
+    # One step series for the whole batch: a step function read over a wider span charges each
+    # interval exactly as a series read for that interval alone would.
+    series = _intensity_series(
+        session,
+        min(s.at - timedelta(seconds=s.interval_s) for s in samples),
+        max(s.at for s in samples),
+        config.carbon.conservative_intensity_g_per_kwh,
+    )
     for sample in samples:
         end_at = sample.at
         start_at = end_at - timedelta(seconds=sample.interval_s)
-        series = _intensity_series(
-            session, start_at, end_at, config.carbon.conservative_intensity_g_per_kwh
-        )
         # The agent measured energy; spread it evenly over the interval as an average power.
         power_w = sample.energy_kwh * 3.6e6 / sample.interval_s
         parts = split_interval(start_at, end_at, kind)

@@ -38,23 +38,6 @@ class LedgerRepository:
         )
         return float(total or 0.0)
 
-    def totals_by_job(self, job_ids: list[int]) -> dict[int, tuple[float, float]]:
-        """(IT energy kWh, emissions kg) charged so far to each of these jobs."""
-        if not job_ids:
-            return {}
-        rows = self.session.execute(
-            select(
-                LedgerEntry.job_id,
-                func.sum(LedgerEntry.energy_kwh),
-                func.sum(LedgerEntry.emissions_kg),
-            )
-            .where(LedgerEntry.job_id.in_(job_ids))
-            .group_by(LedgerEntry.job_id)
-        )
-        return {
-            job_id: (float(e or 0), float(c or 0)) for job_id, e, c in rows if job_id is not None
-        }
-
     def totals(self) -> tuple[float, float]:
         """(IT energy kWh, emissions kg) over the whole ledger."""
         row = self.session.execute(

@@ -58,16 +58,6 @@ class AllocationRepository:
         """A command by id."""
         return self.session.get(Allocation, allocation_id)
 
-    def for_job(self, job_id: int) -> list[Allocation]:
-        """A job's commands in generation order."""
-        return list(
-            self.session.scalars(
-                select(Allocation)
-                .where(Allocation.job_id == job_id)
-                .order_by(Allocation.generation)
-            )
-        )
-
     def add_plan(self, plan: Plan) -> None:
         """Stage a plan."""
         self.session.add(plan)

@@ -68,10 +68,7 @@ def enforce_deadlines(session: Session, now: datetime) -> list[int]:
         if job.deadline_at is None or job.deadline_at > now:
             continue
         if job.run_past_deadline:
-            already = any(
-                e.kind == "deadline_missed" for e in jobs.events(job.id, limit=1000, offset=0)
-            )
-            if not already:
+            if not jobs.has_event(job.id, "deadline_missed"):
                 jobs.add_event(
                     JobEvent(
                         job_id=job.id,
@@ -155,9 +152,10 @@ def decide(session: Session, planning: PlanningInput, plan: AllocationPlan, now:
             _note_waiting(jobs_repo, job, plan, str(job_id), new, budget_left)
             continue
         model = planning.models[str(job_id)]
-        node_repo.assign(
-            new.node_id or 0, list(new.slot_indices), job_id
-        ) if new.node_id else node_repo.release_job(job_id)
+        if new.node_id is not None:
+            node_repo.assign(new.node_id, list(new.slot_indices), job_id)
+        else:
+            node_repo.release_job(job_id)
         if last is not None and last.status in ("pending", "unreachable"):
             last.status = "superseded"
         reason = f"plan: {old.gpus} -> {new.gpus} GPUs"

@@ -70,6 +70,11 @@ class JobRepository:
         rows = self.session.execute(select(Job.state, func.count()).group_by(Job.state))
         return {state: count for state, count in rows}
 
+    def has_event(self, job_id: int, kind: str) -> bool:
+        """Whether the job has an event of this kind."""
+        stmt = select(JobEvent.id).where(JobEvent.job_id == job_id, JobEvent.kind == kind).limit(1)
+        return self.session.scalar(stmt) is not None
+
     def events(self, job_id: int, *, limit: int, offset: int) -> list[JobEvent]:
         """A job's events in the order they happened."""
         stmt = (
@@ -80,9 +85,3 @@ class JobRepository:
             .offset(offset)
         )
         return list(self.session.scalars(stmt))
-
-    def recent_events(self, *, limit: int) -> list[JobEvent]:
-        """The newest events of all jobs."""
-        return list(
-            self.session.scalars(select(JobEvent).order_by(JobEvent.id.desc()).limit(limit))
-        )
