@@ -1,0 +1,300 @@
+"""Fast primal heuristic: deadline reservations (EDF), then per-slot GPU pricing by marginal value.
+
+Why this exists: at 1,000+ jobs the horizon LP alone takes seconds, so `solve` needs a plan that
+is good without it. The objective values one sample of job j done in slot t at
+    priority_j * slot_s * ((T - t) + tail_slots_j) / remaining_j
+(fractional completion: the work counts at every later slot end, and it shortens the tail past the
+horizon), so within a slot the jobs compete for GPUs by value per GPU. Each slot is solved as a
+small resource-priced problem: every job picks the option maximising value - price * GPUs, the
+price found by bisection so the slot's GPUs fit, then spare GPUs go to the best upgrades per GPU.
+Deadline jobs that can meet their deadline get a reservation first (earliest deadline first, the
+slowest constant count that still meets it), and never fall below what the reservation still
+needs, so capacity taken by other jobs cannot break a deadline the reservation secured.
+Everything per slot is numpy over jobs x options: no Python loop over jobs inside the slot loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler_service.allocation.problem import AllocationProblem, BudgetMode, PlanArrays
+from scheduler_service.allocation.slots import SlotState, fit_slot
+
+# Bisection steps on the per-slot GPU price (2^-40 of the price range: far below one GPU's value).
+PRICE_STEPS = 40
+# Upgrade rounds that hand out GPUs the price left spare (each round gives one job one step).
+FILL_ROUNDS = 64
+
+
+def effective_deadlines(
+    problem: AllocationProblem, arrays: PlanArrays
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per job: (time by which the in-horizon work must be done, samples needed by then).
+
+    A deadline past the horizon leaves `max rate x (deadline - horizon)` samples for after it.
+    Jobs without a deadline get (inf, 0).
+    """
+    end_s = np.full(arrays.num_jobs, np.inf)
+    need = np.zeros(arrays.num_jobs)
+    horizon_s = problem.horizon_s
+    for i, job in enumerate(problem.jobs):
+        if job.deadline_s is None:
+            continue
+        if job.deadline_s >= horizon_s:
+            end_s[i] = horizon_s
+            need[i] = max(
+                0.0, job.remaining_samples - arrays.max_throughput[i] * (job.deadline_s - horizon_s)
+            )
+        else:
+            end_s[i] = max(job.deadline_s, 0.0)
+            need[i] = job.remaining_samples
+    return end_s, need
+
+
+def slot_durations(problem: AllocationProblem, end_s: np.ndarray) -> np.ndarray:
+    """[jobs, slots] seconds of each slot that lie before the job's deadline (0 after it)."""
+    starts = np.arange(problem.num_slots) * problem.slot_s
+    finite = np.where(np.isfinite(end_s), end_s, problem.horizon_s)
+    return np.clip(finite[:, None] - starts[None, :], 0.0, problem.slot_s)
+
+
+def reserve_deadlines(
+    problem: AllocationProblem, arrays: PlanArrays, protect: np.ndarray, late: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """EDF reservations: (option per job and slot, -1 = none; jobs actually protected).
+
+    Each protected job first tries the slowest constant count that meets its deadline, then
+    the largest count that fits slot by slot from now (as soon as possible); a job neither fits
+    loses its protection (its deadline is then left to the per-slot pricing).
+    """
+    num_jobs, num_slots = arrays.num_jobs, problem.num_slots
+    end_s, need = effective_deadlines(problem, arrays)
+    dur = slot_durations(problem, end_s)
+    cap_left = np.asarray(problem.capacity_gpus, dtype=np.int64).copy()
+    reserved = np.full((num_jobs, num_slots), -1, dtype=np.int64)
+    protected = np.zeros(num_jobs, dtype=bool)
+    n_valid = arrays.valid.sum(axis=1)
+    order = sorted(
+        np.flatnonzero(protect & (need > 0)),
+        key=lambda i: (-end_s[i], i) if late else (end_s[i], i),
+    )
+    for i in order:
+        span = np.flatnonzero(dur[i] > 0)
+        if len(span) == 0:
+            continue
+        thr = arrays.throughput[i, : n_valid[i]]
+        gpus = arrays.gpus[i, : n_valid[i]]
+        slots = span[::-1] if late else span
+        # Fewest GPUs first: the slowest count that can cover the need in the window, placed
+        # slot by slot (latest first when `late`); faster counts only when it does not fit.
+        # The last option (-1) places the largest count that fits each slot.
+        for fixed in [*range(len(thr)), -1]:
+            if fixed >= 0 and thr[fixed] * float(dur[i].sum()) < need[i] * (1 - 1e-9):
+                continue
+            trial = np.full(num_slots, -1, dtype=np.int64)
+            left = need[i]
+            for t in slots:
+                top = fixed if fixed >= 0 else int(np.searchsorted(gpus, cap_left[t], "right")) - 1
+                if top < 0 or gpus[top] > cap_left[t]:
+                    continue
+                # The smallest count up to `top` that covers what is left here, else `top`.
+                covers = np.flatnonzero(thr[: top + 1] * dur[i, t] >= left * (1 - 1e-9))
+                k = int(covers[0]) if len(covers) else top
+                trial[t] = k
+                left -= thr[k] * dur[i, t]
+                if left <= need[i] * 1e-9:
+                    break
+            if left <= need[i] * 1e-9:
+                on = trial >= 0
+                reserved[i, on] = trial[on]
+                cap_left[on] -= gpus[trial[on]]
+                protected[i] = True
+                break
+    return reserved, protected
+
+
+def greedy_plan(
+    problem: AllocationProblem,
+    arrays: PlanArrays,
+    protect: np.ndarray,
+    prefer: np.ndarray | None = None,
+    finish_slots: np.ndarray | None = None,
+) -> np.ndarray:
+    """Option index per job and slot (-1 = off) from reservations + per-slot GPU pricing.
+
+    `protect`: jobs whose deadline should be reserved (those that can meet it alone).
+    `prefer`: option each job ran at before slot 0 (-1 = off); keeping it saves a change.
+    `finish_slots`: expected finish per job (in slots, from an earlier pass or the previous plan);
+    work then is valued by the slots it saves before that finish instead of before the horizon's
+    end, which stops the greedy from overfeeding jobs that finish soon anyway.
+    """
+    num_jobs, num_slots = arrays.num_jobs, problem.num_slots
+    slot_s = problem.slot_s
+    rows = np.arange(num_jobs)
+    state = SlotState(problem, arrays)
+    reserved, _ = reserve_deadlines(problem, arrays, protect)
+    end_s, need = effective_deadlines(problem, arrays)
+    dur = slot_durations(problem, end_s)
+    # Samples the reservation still delivers after slot t (so slot t's floor can be lower).
+    res_on = reserved >= 0
+    res_work = np.where(
+        res_on, arrays.throughput[rows[:, None], np.maximum(reserved, 0)] * dur, 0.0
+    )
+    res_after = np.cumsum(res_work[:, ::-1], axis=1)[:, ::-1] - res_work
+    has_res = res_on.any(axis=1)
+
+    valid = arrays.valid
+    gpus = arrays.gpus.astype(float)
+    thr = arrays.throughput
+    power = arrays.power_w
+    price = problem.carbon_price_s_per_kg
+    value_per_sample = arrays.priority / arrays.remaining  # times slot_s * (T - t + tail) below
+    tail = arrays.tail_slots
+    done = np.zeros(num_jobs)
+    prev = (
+        np.array([j.index_of(j.current_gpus) for j in problem.jobs], dtype=np.int64)
+        if prefer is None
+        else prefer.astype(np.int64)
+    )
+    plan = np.full((num_jobs, num_slots), -1, dtype=np.int64)
+    k_idx = np.arange(arrays.num_options)[None, :]
+    reserve_kg = budget_reserve(problem, state)
+    for t in range(num_slots):
+        left = arrays.remaining - done
+        active = left > arrays.remaining * 1e-9
+        if finish_slots is None:
+            worth = value_per_sample * slot_s * ((num_slots - t) + tail)
+        else:
+            # Work done now instead of at the job's expected finish saves the slots between.
+            worth = value_per_sample * slot_s * np.maximum(finish_slots - t, 1.0)
+        value = worth[:, None] * np.minimum(thr * slot_s, left[:, None])
+        if price > 0:
+            value -= price * power * state.kg_per_w[t]
+        # Keeping the count of the slot before saves one change.
+        value += problem.change_cost_s * (k_idx == prev[:, None])
+        off_value = problem.change_cost_s * (prev < 0)
+        # Floor: what the reservation still needs from this slot (deadline-protected jobs).
+        need_here = np.where(
+            has_res & active & (dur[:, t] > 0),
+            np.maximum(need - done - res_after[:, t], 0.0) / np.maximum(dur[:, t], 1e-9),
+            0.0,
+        )
+        floor_ok = thr >= need_here[:, None] * (1 - 1e-9)
+        # Behind the reservation (capacity changed): the largest count is the best effort.
+        top = valid.sum(axis=1) - 1
+        behind = ~np.any(floor_ok & valid, axis=1)
+        floor_ok |= behind[:, None] & (k_idx == top[:, None])
+        allowed = valid & active[:, None] & floor_ok
+        off_allowed = ~(need_here > 0) | ~active
+        fits_cap = gpus <= problem.capacity_gpus[t]
+        allowed &= fits_cap
+        masked = np.where(allowed, value, -np.inf)
+        off_score = np.where(off_allowed, off_value, -np.inf)
+        cap = float(problem.capacity_gpus[t])
+        # A tiny price breaks ties towards fewer GPUs (options past finishing are worth no more).
+        lo = 1e-9 * float(np.abs(value).max(initial=1.0))
+        choice = _pick(masked, gpus, off_score, lo)
+        if _used(choice, gpus) > cap:
+            per_gpu = np.divide(value, gpus, out=np.zeros_like(value), where=allowed)
+            hi = float(per_gpu.max(initial=0.0)) + 1.0
+            for _ in range(PRICE_STEPS):
+                mid = 0.5 * (lo + hi)
+                if _used(_pick(masked, gpus, off_score, mid), gpus) > cap:
+                    lo = mid
+                else:
+                    hi = mid
+            choice = _pick(masked, gpus, off_score, hi)
+        budget = state.slot_budget_kg(t, None if reserve_kg is None else reserve_kg[:, t])
+        if _used(choice, gpus) > cap or (
+            state.periods
+            and float(np.where(choice >= 0, power[rows, np.maximum(choice, 0)], 0.0).sum())
+            * state.kg_per_w[t]
+            > budget
+        ):
+            # Floors alone overfill (capacity dropped) or the budget binds: shed the least useful.
+            choice = fit_slot(
+                state, t, choice, active, worth, worth, budget, fill=False, min_rate=need_here
+            )
+        choice = _fill_spare(problem, t, choice, value, gpus, power, allowed, cap, budget)
+        plan[:, t] = choice
+        on = choice >= 0
+        rate = np.where(on, thr[rows, np.maximum(choice, 0)], 0.0)
+        watts = np.where(on, power[rows, np.maximum(choice, 0)], 0.0)
+        state.charge(t, float(watts.sum() * state.kg_per_w[t]))
+        done = np.minimum(done + rate * slot_s, arrays.remaining)
+        prev = np.where(active, choice, -1)
+    return plan
+
+
+def _pick(masked: np.ndarray, gpus: np.ndarray, off_score: np.ndarray, price: float) -> np.ndarray:
+    """Each job's best option at a GPU price (-1 = off); `masked` is -inf where not allowed."""
+    score = masked - price * gpus
+    best = score.argmax(axis=1)
+    best_score = np.take_along_axis(score, best[:, None], axis=1)[:, 0]
+    return np.where(best_score > off_score, best, -1)
+
+
+def _used(choice: np.ndarray, gpus: np.ndarray) -> float:
+    """GPUs a choice vector books."""
+    taken = np.take_along_axis(gpus, np.maximum(choice, 0)[:, None], axis=1)[:, 0]
+    return float(np.where(choice >= 0, taken, 0.0).sum())
+
+
+def budget_reserve(problem: AllocationProblem, state: SlotState) -> np.ndarray | None:
+    """[periods, slots] kg of each hard budget period kept back for the slots after t.
+
+    A period's budget is spread over its slots in proportion to 1 / intensity^2, so cleaner
+    slots get more of it; a slot may use what the period has left minus this reserve.
+    """
+    if not state.periods:
+        return None
+    intensity = np.maximum(np.asarray(problem.intensity_g_per_kwh, dtype=float), 1e-3)
+    weight = 1.0 / intensity**2
+    out = np.zeros((len(state.periods), problem.num_slots))
+    for n, (period, share) in enumerate(state.periods):
+        mass = weight * share
+        total = float(mass.sum())
+        if total <= 0:
+            continue
+        after = np.cumsum(mass[::-1])[::-1] - mass  # mass of the slots after t
+        out[n] = max(period.budget_left_kg, 0.0) * after / total
+    return out
+
+
+def _fill_spare(
+    problem: AllocationProblem,
+    t: int,
+    choice: np.ndarray,
+    value: np.ndarray,
+    gpus: np.ndarray,
+    power: np.ndarray,
+    allowed: np.ndarray,
+    cap: float,
+    budget_kg: float,
+) -> np.ndarray:
+    """Give GPUs the price left unused to the upgrades with the best extra value per GPU."""
+    rows = np.arange(len(choice))
+    kg_per_w = float(problem.slot_emissions_kg_per_w()[t])
+    hard = problem.budget_mode is BudgetMode.HARD and bool(problem.budget_periods)
+    choice = choice.copy()
+    for _ in range(FILL_ROUNDS):
+        on = choice >= 0
+        cur_g = np.where(on, gpus[rows, np.maximum(choice, 0)], 0.0)
+        cur_v = np.where(on, value[rows, np.maximum(choice, 0)], 0.0)
+        cur_w = np.where(on, power[rows, np.maximum(choice, 0)], 0.0)
+        spare = cap - float(cur_g.sum())
+        if spare < 1:
+            break
+        extra_g = gpus - cur_g[:, None]
+        gain = value - cur_v[:, None]
+        ok = allowed & (extra_g > 0) & (extra_g <= spare) & (gain > 0)
+        if hard:
+            room_w = budget_kg / kg_per_w - float(cur_w.sum()) if kg_per_w > 0 else np.inf
+            ok &= (power - cur_w[:, None]) <= room_w
+        if not ok.any():
+            break
+        density = np.where(ok, gain / np.maximum(extra_g, 1.0), -np.inf)
+        flat = int(density.argmax())
+        j, k = divmod(flat, density.shape[1])
+        choice[j] = k
+    return choice
