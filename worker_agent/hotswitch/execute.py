@@ -1,16 +1,23 @@
-"""The switch executor, run inside each worker: local copies, fused batched p2p, contiguous unpack.
+"""The switch executor, run inside each worker, in two phases.
 
-All pieces a worker sends to one peer travel as one message; when they are contiguous in the
-sender's flat buffer the message is a view of that buffer (no packing), and likewise on the
-receiving side (no unpacking). Otherwise pieces are packed into a reused staging buffer with
-plain contiguous `copy_` calls, never gathers.
+`stage_switch` runs while the job still trains (in a worker thread): it works out every message,
+allocates the new shard buffer and the staging buffers and touches every page of them, so that
+no page fault lands inside the pause. `run_switch` runs in the pause: it packs the few small
+runs, posts every send and receive at once (`batch_isend_irecv`), copies what the worker already
+holds into the new buffer while the messages fly, and unpacks the small runs. The old buffer is
+only ever read, so a failed switch leaves it intact.
+
+Runs contiguous in both the sender's and the receiver's flat buffer travel as their own message,
+sent from and received into views of the state buffers (zero copy); only runs smaller than
+`DIRECT_MIN_RUN_BYTES` are fused into one packed message per peer.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,11 +25,21 @@ import torch.distributed as dist
 
 from worker_agent.hotswitch.plan import LocalCopy, SwitchPlan, Transfer
 
+DIRECT_MIN_RUN_BYTES = 512 * 1024
+"""Runs at least this large travel as their own message instead of being packed."""
+
+Run = tuple[int, int, int]
+"""(offset in the sender's flat buffer, offset in the receiver's, elements)."""
+
 
 @dataclass
 class ExecStats:
     """Where one worker's switch time went and how many bytes it moved."""
 
+    stage_s: float = 0.0
+    """Allocating and pre-faulting the new buffers (before the pause, overlapping training)."""
+    stage_wait_s: float = 0.0
+    """Part of staging that was still running when the pause began (inside the pause)."""
     local_s: float = 0.0
     pack_s: float = 0.0
     comm_s: float = 0.0
@@ -43,21 +60,39 @@ class StagingBuffers:
         self._recv = torch.empty(0, device=device)
 
     def send(self, numel: int) -> torch.Tensor:
-        """A send staging buffer of at least `numel` elements."""
+        """A send staging buffer of at least `numel` elements (pre-faulted when new)."""
         if self._send.numel() < numel:
-            self._send = torch.empty(numel, device=self.device)
+            self._send = torch.zeros(numel, device=self.device)
         return self._send
 
     def recv(self, numel: int) -> torch.Tensor:
-        """A receive staging buffer of at least `numel` elements."""
+        """A receive staging buffer of at least `numel` elements (pre-faulted when new)."""
         if self._recv.numel() < numel:
-            self._recv = torch.empty(numel, device=self.device)
+            self._recv = torch.zeros(numel, device=self.device)
         return self._recv
 
     def release(self) -> None:
         """Give the staging memory back (a worker leaving the job)."""
         self._send = torch.empty(0, device=self.device)
         self._recv = torch.empty(0, device=self.device)
+
+
+@dataclass
+class StagedSwitch:
+    """One worker's part of a switch, prepared before the pause."""
+
+    new_flat: torch.Tensor | None
+    """The new shard buffer, every page touched; the old buffer itself when nothing changes."""
+    identity: bool
+    local: list[Run]
+    sends: dict[Any, tuple[list[Run], list[Run]]]
+    """Per receiver: (small runs to fuse, big runs to send unpacked), in the order both use."""
+    recvs: dict[Any, tuple[list[Run], list[Run]]]
+    send_staging: torch.Tensor | None
+    recv_staging: torch.Tensor | None
+    elem_bytes: int
+    stage_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -82,65 +117,105 @@ def _is_identity(copies: Sequence[LocalCopy], old_numel: int, new_numel: int) ->
     )
 
 
-def execute_plan(
+def _runs2(triples: Sequence[Run]) -> list[Run]:
+    """Coalesce (src, dst, numel) copies that continue each other on both sides."""
+    out: list[Run] = []
+    for s, d, n in triples:
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((s, d, n))
+    return out
+
+
+def _split(
+    ts: Sequence[Transfer], elem_bytes: int, min_run_bytes: int
+) -> tuple[list[Run], list[Run]]:
+    """A peer's (src, dst, numel) runs: (small ones to fuse, big ones to send unpacked).
+
+    Packing costs a memory pass on each side (the prototype spent ~70 % of a switch there);
+    for big runs one more message is far cheaper than that pass. Both sides compute the same
+    split from the same ordered piece list, so their messages match one to one.
+    """
+    runs = _runs2([(t.src_offset, t.dst_offset, t.numel) for t in ts])
+    small = [r for r in runs if r[2] * elem_bytes < min_run_bytes]
+    big = [r for r in runs if r[2] * elem_bytes >= min_run_bytes]
+    return small, big
+
+
+def _fused(split: Mapping[Any, tuple[list[Run], list[Run]]]) -> int:
+    """Elements that go through a staging buffer (peers with more than one small run)."""
+    return sum(sum(r[2] for r in small) for small, _ in split.values() if len(small) > 1)
+
+
+def stage_switch(
     plan: SwitchPlan,
     me: int,
     old_flat: torch.Tensor | None,
     new_numel: int | None,
-    group_rank: Mapping[Any, int],
     buffers: StagingBuffers,
-    group: dist.ProcessGroup | None = None,
+    alloc: Callable[[int], torch.Tensor] | None = None,
     direct_min_run_bytes: int | None = None,
-) -> tuple[torch.Tensor | None, ExecStats]:
-    """Run this worker's part of `plan`; returns its new flat state (None when it leaves)."""
-    min_run = DIRECT_MIN_RUN_BYTES if direct_min_run_bytes is None else direct_min_run_bytes
-
-    stats = ExecStats()
-    device = buffers.device
+) -> StagedSwitch:
+    """Everything of a switch that does not read the (still training) state: messages, buffers."""
     t0 = time.perf_counter()
+    min_run = DIRECT_MIN_RUN_BYTES if direct_min_run_bytes is None else direct_min_run_bytes
     copies = [c for c in plan.local_copies if c.worker == me]
+    old_n = 0 if old_flat is None else old_flat.numel()
+    identity = new_numel is not None and old_flat is not None
+    identity = identity and _is_identity(copies, old_n, new_numel or 0)
     new_flat: torch.Tensor | None = None
-    if new_numel is not None:
-        old_n = 0 if old_flat is None else old_flat.numel()
-        if old_flat is not None and _is_identity(copies, old_n, new_numel):
-            # Nothing in this worker's state changes; share the buffer (the old one is read-only
-            # until commit, so rollback stays possible).
-            new_flat = old_flat
-        else:
-            new_flat = torch.empty(new_numel, device=device)
-            if copies:
-                assert old_flat is not None
-                triples = _runs2([(c.src_offset, c.dst_offset, c.numel) for c in copies])
-                _copy_all(
-                    [new_flat[d : d + n] for _, d, n in triples],
-                    [old_flat[s : s + n] for s, _, n in triples],
-                )
-        stats.bytes_local = sum(c.numel for c in copies) * plan.elem_bytes
-    stats.local_s = time.perf_counter() - t0
+    if identity:
+        # Nothing in this worker's state changes: share the buffer (it is read-only until
+        # commit, so rollback stays possible).
+        new_flat = old_flat
+    elif new_numel is not None:
+        new_flat = alloc(new_numel) if alloc is not None else torch.empty(new_numel)
+        # First touch here, not in the pause: on this machine a fresh page costs more than
+        # copying it (~0.35 s per 400 MB faulted vs ~0.03 s warm).
+        new_flat.zero_()
+    sends = {p: _split(ts, plan.elem_bytes, min_run) for p, ts in plan.sends_of(me).items()}
+    recvs = {p: _split(ts, plan.elem_bytes, min_run) for p, ts in plan.recvs_of(me).items()}
+    n_send, n_recv = _fused(sends), _fused(recvs)
+    local = [] if identity else _runs2([(c.src_offset, c.dst_offset, c.numel) for c in copies])
+    return StagedSwitch(
+        new_flat=new_flat,
+        identity=identity,
+        local=local,
+        sends=sends,
+        recvs=recvs,
+        send_staging=buffers.send(n_send) if n_send else None,
+        recv_staging=buffers.recv(n_recv) if n_recv else None,
+        elem_bytes=plan.elem_bytes,
+        stage_s=time.perf_counter() - t0,
+    )
 
-    sends = plan.sends_of(me)
-    recvs = plan.recvs_of(me)
+
+def run_switch(
+    staged: StagedSwitch,
+    old_flat: torch.Tensor | None,
+    group_rank: Mapping[Any, int],
+    group: dist.ProcessGroup | None = None,
+    overlap_local: bool = True,
+) -> ExecStats:
+    """The paused part of a switch: pack small runs, post all messages, local copies, unpack."""
+    stats = ExecStats(stage_s=staged.stage_s)
+    eb = staged.elem_bytes
+    new_flat = staged.new_flat
     ops: list[dist.P2POp] = []
 
-    # Per peer, runs contiguous on both sides; big runs travel as their own message straight
-    # from/into the state buffers, the small ones are fused into one packed message.
-    send_split = {p: _split(ts, plan.elem_bytes, min_run) for p, ts in sends.items()}
-    recv_split = {p: _split(ts, plan.elem_bytes, min_run) for p, ts in recvs.items()}
-
     t0 = time.perf_counter()
-    packed = [small for small, _ in send_split.values() if len(small) > 1]
-    staging = buffers.send(sum(n for small in packed for _, _, n in small)) if packed else None
     pos = 0
-    for peer, (small, big) in send_split.items():
+    for peer, (small, big) in staged.sends.items():
         assert old_flat is not None, "a worker without state cannot send"
         msgs: list[torch.Tensor] = []
         if len(small) == 1:
             s_off, _, k = small[0]
             msgs.append(old_flat[s_off : s_off + k])
         elif small:
-            assert staging is not None
+            assert staged.send_staging is not None
             n = sum(k for _, _, k in small)
-            msg = staging[pos : pos + n]
+            msg = staged.send_staging[pos : pos + n]
             views, cur = [], 0
             for _, _, k in small:
                 views.append(msg[cur : cur + k])
@@ -152,27 +227,26 @@ def execute_plan(
         stats.zero_copy_messages += len(big) + (len(small) == 1)
         for m in msgs:
             ops.append(dist.P2POp(dist.isend, m, group_rank[peer], group))
-            stats.bytes_sent += m.numel() * plan.elem_bytes
+            stats.bytes_sent += m.numel() * eb
     stats.pack_s = time.perf_counter() - t0
 
-    packed_r = [small for small, _ in recv_split.values() if len(small) > 1]
-    rstaging = buffers.recv(sum(n for small in packed_r for _, _, n in small)) if packed_r else None
     pos = 0
-    unpack_views: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-    for peer, (small, big) in recv_split.items():
+    unpack_dst: list[torch.Tensor] = []
+    unpack_src: list[torch.Tensor] = []
+    for peer, (small, big) in staged.recvs.items():
         assert new_flat is not None, "a leaving worker cannot receive"
         msgs = []
         if len(small) == 1:
             _, d_off, k = small[0]
             msgs.append(new_flat[d_off : d_off + k])
         elif small:
-            assert rstaging is not None
+            assert staged.recv_staging is not None
             n = sum(k for _, _, k in small)
-            msg = rstaging[pos : pos + n]
+            msg = staged.recv_staging[pos : pos + n]
             cur = 0
             for _, d_off, k in small:
-                unpack_views[0].append(new_flat[d_off : d_off + k])
-                unpack_views[1].append(msg[cur : cur + k])
+                unpack_dst.append(new_flat[d_off : d_off + k])
+                unpack_src.append(msg[cur : cur + k])
                 cur += k
             msgs.append(msg)
             pos += n
@@ -180,46 +254,63 @@ def execute_plan(
         stats.zero_copy_messages += len(big) + (len(small) == 1)
         for m in msgs:
             ops.append(dist.P2POp(dist.irecv, m, group_rank[peer], group))
-            stats.bytes_received += m.numel() * plan.elem_bytes
+            stats.bytes_received += m.numel() * eb
     stats.messages = len(ops)
 
+    errors: list[BaseException] = []
+
+    def local_copies() -> None:
+        t = time.perf_counter()
+        try:
+            assert old_flat is not None and new_flat is not None
+            _copy_all(
+                [new_flat[d : d + n] for _, d, n in staged.local],
+                [old_flat[s : s + n] for s, _, n in staged.local],
+            )
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+        stats.local_s = time.perf_counter() - t
+
+    stats.bytes_local = sum(n for _, _, n in staged.local) * eb
     t0 = time.perf_counter()
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    # The local copies touch other parts of the new buffer than the messages do, so they run in
+    # a thread while the transport moves the bytes (torch releases the GIL inside the copy).
+    copier: threading.Thread | None = None
+    if staged.local and reqs and overlap_local:
+        copier = threading.Thread(target=local_copies, name="greenflow-local-copy")
+        copier.start()
+    elif staged.local:
+        local_copies()
+    try:
+        for req in reqs:
             req.wait()
-    stats.comm_s = time.perf_counter() - t0
+        # Until the last message landed, whether or not the local copies are still running.
+        stats.comm_s = time.perf_counter() - t0
+    finally:
+        if copier is not None:
+            copier.join()
+    if errors:
+        raise errors[0]
 
     t0 = time.perf_counter()
-    _copy_all(unpack_views[0], unpack_views[1])
+    _copy_all(unpack_dst, unpack_src)
     stats.unpack_s = time.perf_counter() - t0
-    return new_flat, stats
+    return stats
 
 
-def _runs2(triples: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Coalesce (src, dst, numel) copies that continue each other on both sides."""
-    out: list[tuple[int, int, int]] = []
-    for s, d, n in triples:
-        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
-        else:
-            out.append((s, d, n))
-    return out
-
-
-DIRECT_MIN_RUN_BYTES = 512 * 1024
-"""Runs at least this large travel as their own message instead of being packed."""
-
-
-def _split(
-    ts: Sequence[Transfer], elem_bytes: int, min_run_bytes: int
-) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """A peer's (src, dst, numel) runs: (small ones to fuse, big ones to send unpacked).
-
-    Packing costs a memory pass on each side (the prototype spent ~70 % of a switch there);
-    for big runs one more message is far cheaper than that pass. Both sides compute the same
-    split from the same ordered piece list, so their messages match one to one.
-    """
-    runs = _runs2([(t.src_offset, t.dst_offset, t.numel) for t in ts])
-    small = [r for r in runs if r[2] * elem_bytes < min_run_bytes]
-    big = [r for r in runs if r[2] * elem_bytes >= min_run_bytes]
-    return small, big
+def execute_plan(
+    plan: SwitchPlan,
+    me: int,
+    old_flat: torch.Tensor | None,
+    new_numel: int | None,
+    group_rank: Mapping[Any, int],
+    buffers: StagingBuffers,
+    group: dist.ProcessGroup | None = None,
+    direct_min_run_bytes: int | None = None,
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, ExecStats]:
+    """Stage and run this worker's part of `plan` at once; returns its new flat state."""
+    staged = stage_switch(plan, me, old_flat, new_numel, buffers, alloc, direct_min_run_bytes)
+    stats = run_switch(staged, old_flat, group_rank, group)
+    return staged.new_flat, stats

@@ -46,11 +46,12 @@ class SwitchReport:
     step: int
     ok: bool
     switch_s: float
-    """Training paused: snapshot + plan + transfer + commit + group rebuild."""
+    """Training paused: (snapshot copy) + transfer + commit + group rebuild."""
     spawn_s: float
     """Starting new workers; overlaps training (not part of switch_s)."""
     snapshot_s: float
     plan_s: float
+    """Planning in the runner; before the pause, overlaps training (not part of switch_s)."""
     transfer_s: float
     regroup_s: float
     bytes_moved: int
@@ -63,7 +64,12 @@ class SwitchReport:
     exchange_s: float
     """Slowest worker's pack + batched p2p + unpack: the time the moved bytes took."""
     local_s: float
-    """Slowest worker's allocation of its new shard and copies of what it already held."""
+    """Slowest worker's copies of what it already held (run while its messages are in flight)."""
+    stage_s: float = 0.0
+    """Staging before the pause (messages worked out, new buffers allocated and pre-faulted) as
+    the runner waited for it; overlaps training (not part of switch_s)."""
+    stage_wait_s: float = 0.0
+    """Slowest worker's staging still unfinished when the pause began (part of switch_s)."""
     pair_bytes: list[tuple[int, int, int]] = field(default_factory=list)
     """(sender, receiver, bytes) per worker pair, ranks as in the transfer group."""
     workers_started: list[int] = field(default_factory=list)
@@ -123,16 +129,31 @@ class JobRunner:
 
     def __init__(
         self,
-        snapshot_policy: Literal["auto", "before_switch", "none"] = "auto",
+        snapshot_policy: Literal["auto", "before_switch", "periodic", "none"] = "auto",
         timeout_s: float = 60.0,
         backend: str | None = None,
         store_host: str = "127.0.0.1",
         direct_min_run_bytes: int | None = None,
+        snapshot_every_steps: int = 50,
     ) -> None:
+        """Snapshot policies (what a switch can fall back to when a unique holder dies):
+
+        `auto`: CPU workers keep their state in shared memory that the runner maps, so the
+        state at the switch survives a worker's death without any copy; on GPUs a copy to host
+        memory every `snapshot_every_steps` steps, between training chunks (never in a switch).
+        `before_switch`: the state at the switch (shared memory on CPU; on GPUs a copy taken in
+        the pause). `periodic`: the GPU behaviour of `auto` everywhere. `none`: nothing.
+        """
         self.snapshot_policy = snapshot_policy
         self.direct_min_run_bytes = direct_min_run_bytes
+        self.snapshot_every_steps = snapshot_every_steps
         self.timeout_s = timeout_s
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        # GPU memory dies with its process, so only CPU state can be shared with the runner.
+        self._shared_state = self.backend != "nccl" and snapshot_policy in ("auto", "before_switch")
+        self._live: dict[int, tuple[torch.Tensor, Layout, int]] = {}
+        self._snapshot_step: int | None = None
+        self._switch_id = 0
         self.store_host = store_host
         self._ctx = mp.get_context("spawn")
         self._store: dist.TCPStore | None = None
@@ -207,11 +228,13 @@ class JobRunner:
                 )
             self._call(calls)
             self._step = step
+            self._refresh_live()
             return layout
         if checkpoint is None:
             self._call(
                 [(h, "init_state", {"layout": layout, "rank": r}) for r, h in enumerate(handles)]
             )
+            self._refresh_live()
             return layout
         # Resharding on load: the planner maps checkpoint files (ids -1, -2, ...) to new ranks.
         src = {
@@ -231,6 +254,7 @@ class JobRunner:
             ]
         )
         self._step = checkpoint.step
+        self._refresh_live()
         return layout
 
     def save_checkpoint(self, directory: str) -> Checkpoint:
@@ -336,14 +360,33 @@ class JobRunner:
         current = {h.slot: h for h in self._ranks}
         keep = [current[s] for s in slots if s in current]
         leaving = [h for h in self._ranks if h.slot not in slots]
+        old = list(self._ranks)
         t0 = time.perf_counter()
-        # New workers boot (import torch, connect to the store) while training goes on.
+        # Everything up to the pause overlaps training: new workers boot (import torch, connect
+        # to the store), the runner plans, every worker stages (allocates and pre-faults).
         added = self._spawn([s for s in slots if s not in current])
         spawn_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        target = self._assign_ranks(old_layout, new_layout, keep, added)
+        plan = self._plan(old_layout, new_layout, old, target, added)
+        plan_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self._switch_id += 1
+        self._stage(plan, old, target, added, new_layout)
+        stage_s = time.perf_counter() - t0
         self._switch_waiting.set()
         try:
             with self._lock:
-                return self._switch(old_layout, new_layout, keep, leaving, added, spawn_s)
+                return self._switch(
+                    old_layout,
+                    new_layout,
+                    old,
+                    target,
+                    leaving,
+                    added,
+                    plan,
+                    (spawn_s, plan_s, stage_s),
+                )
         finally:
             self._switch_waiting.clear()
 
@@ -384,6 +427,8 @@ class JobRunner:
         self._ranks = []
         self._layout = None
         self._snapshot = {}
+        self._live = {}
+        self._snapshot_step = None
         self._store = None
 
     def __enter__(self) -> JobRunner:
@@ -501,6 +546,18 @@ class JobRunner:
         self._step += steps
         self._loss = out[-1][1] if out else self._loss
         self._samples_per_s = self._spec.global_batch_size * steps / wall_s if wall_s > 0 else 0.0
+        if (
+            self.snapshot_policy in ("auto", "periodic")
+            and not self._shared_state
+            and (
+                self._snapshot_step is None
+                or self._step - self._snapshot_step >= self.snapshot_every_steps
+            )
+        ):
+            # Between chunks, never inside a switch: the fallback if a unique holder dies.
+            snaps = self._call([(h, "snapshot", {}) for h in self._ranks])
+            self._snapshot = {h.worker_id: s for h, s in zip(self._ranks, snaps, strict=True)}
+            self._snapshot_step = self._step
         return out
 
     def _release(self, h: _Handle, wait: bool = True) -> None:
@@ -552,32 +609,14 @@ class JobRunner:
         spare = iter([*free, *added])
         return [h if h is not None else next(spare) for h in ranked]
 
-    def _switch(
+    def _plan(
         self,
         old_layout: Layout,
         new_layout: Layout,
-        keep: list[_Handle],
-        leaving: list[_Handle],
+        old: list[_Handle],
+        target: list[_Handle],
         added: list[_Handle],
-        spawn_s: float,
-    ) -> SwitchReport:
-        t_start = time.perf_counter()
-        old = list(self._ranks)
-        snapshot_s = 0.0
-        # "auto": only when some state has a single holder (dp == 1); with replicas a dead
-        # worker's state is rebuilt from its peers instead.
-        if self.snapshot_policy == "before_switch" or (
-            self.snapshot_policy == "auto" and old_layout.dp == 1
-        ):
-            t0 = time.perf_counter()
-            snaps = self._call([(h, "snapshot", {}) for h in old])
-            self._snapshot = {h.worker_id: s for h, s in zip(old, snaps, strict=True)}
-            snapshot_s = time.perf_counter() - t0
-        else:
-            self._snapshot = {}  # an older snapshot is of another layout: not restorable here
-
-        t0 = time.perf_counter()
-        target = self._assign_ranks(old_layout, new_layout, keep, added)
+    ) -> SwitchPlan:
         src = {
             h.worker_id: _holdings(self._param_specs, self._n_blocks, old_layout, r)
             for r, h in enumerate(old)
@@ -587,8 +626,90 @@ class JobRunner:
             for r, h in enumerate(target)
         }
         node_of = {h.worker_id: h.slot.node for h in [*old, *added]}
-        plan = build_plan(src, dst, node_of)
-        plan_s = time.perf_counter() - t0
+        return build_plan(src, dst, node_of)
+
+    def _stage(
+        self,
+        plan: SwitchPlan,
+        old: list[_Handle],
+        target: list[_Handle],
+        added: list[_Handle],
+        new_layout: Layout,
+    ) -> None:
+        """Have every worker stage its part (threads, training goes on) and wait until done.
+
+        A worker that dies or fails here is not handled here: the paused part of the switch
+        meets the same failure and rolls back.
+        """
+        assert self._store is not None
+        new_rank = {h.worker_id: r for r, h in enumerate(target)}
+        keys = {h.worker_id: f"stage/{self._switch_id}/{h.worker_id}" for h in [*old, *added]}
+
+        def calls(hs: list[_Handle]) -> list[tuple[_Handle, str, dict[str, Any]]]:
+            return [
+                (
+                    h,
+                    "switch_stage",
+                    {
+                        "switch_id": self._switch_id,
+                        "plan": plan.part_for(h.worker_id),
+                        "new_layout": new_layout if h.worker_id in new_rank else None,
+                        "new_rank": new_rank.get(h.worker_id, -1),
+                        "done_key": keys[h.worker_id],
+                    },
+                )
+                for h in hs
+            ]
+
+        with contextlib.suppress(WorkerFailed):
+            self._call(calls(added))  # not yet driven by the training thread: no lock needed
+            with self._lock:  # waits for the current training chunk; the command returns at once
+                self._call(calls(old))
+        deadline = time.monotonic() + self.timeout_s
+        handles = [*old, *added]
+        while not self._store.check(list(keys.values())):
+            if time.monotonic() > deadline or not all(h.proc.is_alive() for h in handles):
+                return
+            time.sleep(0.002)
+
+    def _refresh_live(self) -> None:
+        """Keep the shared-memory handles of every worker's current state."""
+        self._live = {}
+        if not self._shared_state:
+            return
+        handles = self._call([(h, "state_handle", {}) for h in self._ranks])
+        self._live = {
+            h.worker_id: v for h, v in zip(self._ranks, handles, strict=True) if v is not None
+        }
+
+    def _switch(
+        self,
+        old_layout: Layout,
+        new_layout: Layout,
+        old: list[_Handle],
+        target: list[_Handle],
+        leaving: list[_Handle],
+        added: list[_Handle],
+        plan: SwitchPlan,
+        before_pause: tuple[float, float, float],
+    ) -> SwitchReport:
+        spawn_s, plan_s, stage_s = before_pause
+        t_start = time.perf_counter()
+        snapshot_s = 0.0
+        if self._shared_state and len(self._live) == len(old):
+            # The state at the switch, kept without a copy: the old buffers are only read until
+            # commit, and the runner's handles keep them alive if a worker dies.
+            self._snapshot = {
+                wid: (t, lay, rank, self._step) for wid, (t, lay, rank) in self._live.items()
+            }
+        elif self.snapshot_policy == "before_switch":
+            t0 = time.perf_counter()
+            snaps = self._call([(h, "snapshot", {}) for h in old])
+            self._snapshot = {h.worker_id: s for h, s in zip(old, snaps, strict=True)}
+            snapshot_s = time.perf_counter() - t0
+        elif self.snapshot_policy == "none":
+            self._snapshot = {}
+        # Otherwise (periodic) the last periodic snapshot of this layout stays the fallback.
 
         new_rank = {h.worker_id: r for r, h in enumerate(target)}
         if added and leaving:
@@ -617,6 +738,7 @@ class JobRunner:
                             "new_layout": new_layout if h.worker_id in new_rank else None,
                             "new_rank": new_rank.get(h.worker_id, -1),
                             "step": self._step,
+                            "switch_id": self._switch_id,
                         },
                     )
                     for h in union
@@ -629,7 +751,7 @@ class JobRunner:
             )
 
         t0 = time.perf_counter()
-        self._call([(h, "switch_commit", {}) for h in union])
+        handles = self._call([(h, "switch_commit", {}) for h in union])
         for h in leaving:
             self._release(h, wait=False)
         same_group = [h.worker_id for h in union] == [h.worker_id for h in target]
@@ -654,7 +776,17 @@ class JobRunner:
             added,
             leaving,
             group_rank=group_rank,
+            stage_s=stage_s,
         )
+        # Handles of the new state; the old buffers are freed once nobody maps them.
+        self._live = {
+            h.worker_id: v
+            for h, v in zip(union, handles, strict=True)
+            if v is not None and h.worker_id in new_rank
+        }
+        if self.snapshot_policy != "none" and not self._shared_state:
+            self._snapshot = {}  # a snapshot of the old layout cannot be restored in the new one
+            self._snapshot_step = None
         # Reaping exited workers takes ~1 s of interpreter teardown; training need not wait for it.
         if leaving:
             reaper = threading.Thread(
@@ -682,6 +814,7 @@ class JobRunner:
         error: str | None = None,
         recovered_from: str | None = None,
         group_rank: dict[int, int] | None = None,
+        stage_s: float = 0.0,
     ) -> SwitchReport:
         pairs: dict[tuple[int, int], int] = {}
         if group_rank is not None:
@@ -709,6 +842,8 @@ class JobRunner:
             unpack_s=max((s.unpack_s for s in stats), default=0.0),
             exchange_s=max((s.pack_s + s.comm_s + s.unpack_s for s in stats), default=0.0),
             local_s=max((s.local_s for s in stats), default=0.0),
+            stage_s=stage_s,
+            stage_wait_s=max((s.stage_wait_s for s in stats), default=0.0),
             pair_bytes=pair_bytes,
             workers_started=[h.pid for h in added],
             workers_released=[h.pid for h in leaving],
@@ -802,6 +937,7 @@ class JobRunner:
                 ) from exc
         self._layout = old_layout
         self._call([(h, "build_groups", {}) for h in ranked])
+        self._refresh_live()
         report = self._report(
             old_layout,
             new_layout,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -20,7 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker_agent.hotswitch.execute import ExecStats, StagingBuffers, execute_plan
+from worker_agent.hotswitch.execute import (
+    ExecStats,
+    StagedSwitch,
+    StagingBuffers,
+    run_switch,
+    stage_switch,
+)
 from worker_agent.hotswitch.plan import SwitchPlan
 from worker_agent.runtime.job import TensorParallel, TrainingJob
 from worker_agent.runtime.layout import Layout, split_blocks
@@ -45,6 +52,9 @@ class WorkerConfig:
     """Switch messages: runs at least this large go unpacked (None: the executor's default)."""
     fail_at: str | None = None
     """Test hook: `"switch"` exits abruptly, `"transfer"` raises, inside the next switch."""
+    shared_state: bool = False
+    """Keep the flat state buffer in shared memory that the runner maps too (CPU only), so a
+    worker's state outlives its process without a snapshot copy."""
 
 
 @dataclass
@@ -89,6 +99,7 @@ class Worker:
         self.dp_group: dist.ProcessGroup | None = None
         self._snap: torch.Tensor | None = None
         self._pending: tuple[Layout | None, int, torch.Tensor | None, int] | None = None
+        self._staging: _Staging | None = None
 
     # ----- process groups -------------------------------------------------------------------
     def cmd_join(self, generation: int, rank: int, world_size: int) -> None:
@@ -126,6 +137,20 @@ class Worker:
                     self.dp_group = g
 
     # ----- state ----------------------------------------------------------------------------
+    def _alloc_state(self, numel: int) -> torch.Tensor:
+        """An uninitialised flat state buffer; in shared memory when the runner keeps a handle."""
+        if self.cfg.shared_state and self.device.type == "cpu":
+            storage = torch.UntypedStorage._new_shared(numel * 4)
+            return torch.empty(0).set_(storage)
+        return torch.empty(numel, device=self.device)
+
+    def cmd_state_handle(self) -> tuple[torch.Tensor, Layout, int] | None:
+        """The shared-memory state buffer (sent as a handle, not copied), or None."""
+        if not self.cfg.shared_state or self.flat is None or not self.flat.is_shared():
+            return None
+        assert self.layout is not None
+        return self.flat, self.layout, self.rank
+
     def _install(self, layout: Layout, rank: int, flat: torch.Tensor, step: int) -> None:
         """Adopt a flat state buffer for (layout, rank): parameters become views into it."""
         self.layout, self.rank, self.step = layout, rank, step
@@ -142,7 +167,7 @@ class Worker:
     def cmd_init_state(self, layout: Layout, rank: int) -> int:
         """Fresh state from the job's seeded initialisation; returns its size in bytes."""
         smap = shard_map(self.specs, self.n_blocks, layout, rank)
-        flat = torch.zeros(smap.n_state_elems, device=self.device)
+        flat = self._alloc_state(smap.n_state_elems).zero_()
         for ps in smap.params:
             full = ps.spec.init_full(self.spec.seed).reshape(-1)[ps.start : ps.end]
             flat[ps.offset : ps.offset + full.numel()].copy_(full)
@@ -162,7 +187,9 @@ class Worker:
 
     def cmd_restore(self, snap: torch.Tensor, layout: Layout, rank: int, step: int) -> None:
         """Load a snapshot (layout, rank must match the current process group)."""
-        self._install(layout, rank, snap.to(self.device, copy=True), step)
+        flat = self._alloc_state(snap.numel())
+        flat.copy_(snap)
+        self._install(layout, rank, flat, step)
         self._build_groups()
 
     def cmd_shards(self) -> dict[str, tuple[int, int, torch.Tensor]]:
@@ -300,6 +327,48 @@ class Worker:
         adamw_step(self.flat, g, self.step + 1, self.spec.optimizer)
 
     # ----- hot switch -----------------------------------------------------------------------
+    def cmd_switch_stage(
+        self,
+        switch_id: int,
+        plan: SwitchPlan,
+        new_layout: Layout | None,
+        new_rank: int,
+        done_key: str,
+    ) -> None:
+        """Start staging a switch in a thread (training goes on); sets `done_key` when done."""
+        self.cmd_switch_abort()
+        staging = _Staging(switch_id)
+
+        def work() -> None:
+            try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
+                staging.result = self._stage(plan, new_layout, new_rank)
+            except BaseException as exc:  # re-raised by switch_prepare
+                staging.error = exc
+            finally:
+                # The runner waits on these keys without taking the worker's pipe (it is busy
+                # with training commands meanwhile).
+                self.store.set(done_key, "error" if staging.error else "ok")
+
+        staging.thread = threading.Thread(target=work, name="greenflow-stage", daemon=True)
+        self._staging = staging
+        staging.thread.start()
+
+    def _stage(self, plan: SwitchPlan, new_layout: Layout | None, new_rank: int) -> StagedSwitch:
+        new_numel = None
+        if new_layout is not None:
+            new_numel = shard_map(self.specs, self.n_blocks, new_layout, new_rank).n_state_elems
+        return stage_switch(
+            plan,
+            self.cfg.worker_id,
+            self.flat,
+            new_numel,
+            self.buffers,
+            alloc=self._alloc_state,
+            direct_min_run_bytes=self.cfg.direct_min_run_bytes,
+        )
+
     def cmd_switch_prepare(
         self,
         plan: SwitchPlan,
@@ -307,37 +376,47 @@ class Worker:
         new_layout: Layout | None,
         new_rank: int,
         step: int,
+        switch_id: int | None = None,
     ) -> ExecStats:
-        """Move state into a new buffer for (new_layout, new_rank); the old one stays intact."""
+        """Move state into a new buffer for (new_layout, new_rank); the old one stays intact.
+
+        Uses what `switch_stage` prepared for `switch_id` (waiting for it if it is still
+        running); without a staged switch, stages it now.
+        """
         if self.cfg.fail_at == "switch":
             os._exit(17)
-        new_numel = None
-        if new_layout is not None:
-            new_numel = shard_map(self.specs, self.n_blocks, new_layout, new_rank).n_state_elems
+        staging, self._staging = self._staging, None
         try:
             if self.cfg.fail_at == "transfer":
                 self.cfg = dataclasses.replace(self.cfg, fail_at=None)
                 raise RuntimeError("injected transfer failure (test hook)")
-            new_flat, stats = execute_plan(
-                plan,
-                self.cfg.worker_id,
-                self.flat,
-                new_numel,
-                group_rank,
-                self.buffers,
-                direct_min_run_bytes=self.cfg.direct_min_run_bytes,
-            )
+            t0 = time.perf_counter()
+            if staging is not None and staging.switch_id == switch_id:
+                assert staging.thread is not None
+                staging.thread.join()
+                if staging.error is not None:
+                    raise staging.error
+                assert staging.result is not None
+                staged = staging.result
+            else:
+                staged = self._stage(plan, new_layout, new_rank)
+            wait_s = time.perf_counter() - t0
+            stats = run_switch(staged, self.flat, group_rank)
+            stats.stage_wait_s = wait_s
         except Exception:
             # Leave the group at once so peers blocked on our messages fail now, not at timeout;
             # the runner forms a new generation for the rollback anyway.
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
-        self._pending = (new_layout, new_rank, new_flat, step)
+        self._pending = (new_layout, new_rank, staged.new_flat, step)
         return stats
 
-    def cmd_switch_commit(self) -> None:
-        """Adopt the prepared state; a worker that leaves frees its memory."""
+    def cmd_switch_commit(self) -> tuple[torch.Tensor, Layout, int] | None:
+        """Adopt the prepared state; a worker that leaves frees its memory.
+
+        Returns the new state's shared-memory handle when the runner keeps one.
+        """
         assert self._pending is not None
         layout, rank, flat, step = self._pending
         self._pending = None
@@ -345,12 +424,16 @@ class Worker:
             self.flat, self.params, self.grad_flat, self.smap = None, {}, None, None
             self.layout, self.rank = None, -1
             self.buffers.release()
-            return
+            return None
         self._install(layout, rank, flat, step)
+        return self.cmd_state_handle()
 
     def cmd_switch_abort(self) -> None:
-        """Drop the prepared state and keep the old one."""
+        """Drop the prepared (or staging) state and keep the old one."""
         self._pending = None
+        staging, self._staging = self._staging, None
+        if staging is not None and staging.thread is not None:
+            staging.thread.join()
 
     def cmd_save_checkpoint(self, path: str) -> float:
         """Write this worker's state to `path` (checkpoint-and-restart baseline); returns seconds."""
@@ -365,7 +448,7 @@ class Worker:
         """Build state for (layout, rank) from per-rank checkpoint files, resharding on load."""
         t0 = time.perf_counter()
         smap = shard_map(self.specs, self.n_blocks, layout, rank)
-        flat = torch.empty(smap.n_state_elems, device=self.device)
+        flat = self._alloc_state(smap.n_state_elems)
         step = 0
         for src, ts in plan.recvs_of(self.cfg.worker_id).items():
             ckpt = torch.load(files[src], mmap=True, weights_only=True)
@@ -415,6 +498,16 @@ class Worker:
     def cmd_build_groups(self) -> None:
         """Create the current layout's TP/DP sub-groups (after a join)."""
         self._build_groups()
+
+
+@dataclass
+class _Staging:
+    """A switch being staged in a worker thread."""
+
+    switch_id: int
+    thread: threading.Thread | None = None
+    result: StagedSwitch | None = None
+    error: BaseException | None = None
 
 
 def worker_main(conn: Connection, cfg: WorkerConfig) -> None:
