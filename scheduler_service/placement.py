@@ -36,12 +36,14 @@ def place(
     nodes: Sequence[NodeSlots],
     allowed: Mapping[int, Sequence[int]],
     order: Sequence[int],
+    home: Mapping[int, int] | None = None,
 ) -> dict[int, Placement]:
     """Placement for every job in `targets` (GPU counts), honouring `order` (most important first).
 
     A job keeps its node and the slots it holds whenever its node can host the new count; it
     moves only when its node cannot; a count that fits nowhere is lowered to the largest allowed
-    count that fits (possibly 0).
+    count that fits (possibly 0). A job without slots goes back to its `home` node (where its
+    paused state lives in the agent's memory) when that node has room for it.
     """
     free: dict[int, list[int]] = {n.node_id: sorted(n.slot_indices) for n in nodes}
     node_ids = set(free)
@@ -89,6 +91,12 @@ def place(
             added = tuple(spare[: grown - placement.gpus])
             del spare[: grown - placement.gpus]
             result[job_id] = Placement(node_id, tuple(sorted(placement.slot_indices + added)))
+            continue
+        home_id = (home or {}).get(job_id)
+        if home_id in free and 0 < target <= len(free[home_id]):
+            taken = tuple(free[home_id][:target])
+            del free[home_id][:target]
+            result[job_id] = Placement(home_id, taken)
             continue
         result[job_id] = _place_new(job_id, target, free, allowed)
     return result

@@ -12,8 +12,10 @@ import logging
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
@@ -29,6 +31,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from worker_agent.checkpoints import CheckpointStore
 from worker_agent.managed import ManagedJob, PowerReader
 from worker_agent.protocol import (
     AGENT_SECRET_HEADER,
@@ -114,6 +117,9 @@ class AgentConfig:
     request_timeout_s: float = 10.0
     monitor_interval_s: float = 0.2
     outbox_max_samples: int = 10_000
+    checkpoint_dir: Path | None = None
+    """Shared storage for job checkpoints (None: a lost node's jobs restart from step 0)."""
+    checkpoint_interval_s: float = 300.0
 
 
 # ----- the agent ------------------------------------------------------------------------------
@@ -140,6 +146,9 @@ class Agent:
         """Why the agent gave up on its own (the CLI exits 2 with it)."""
         self.on_fatal: Callable[[], None] | None = None
         self._nvml_energy_j: dict[int, tuple[tuple[int, ...], float]] = {}
+        self._checkpoints = (
+            None if config.checkpoint_dir is None else CheckpointStore(config.checkpoint_dir)
+        )
 
     # ----- lifecycle ------------------------------------------------------------------------
     def start_background(self) -> None:
@@ -308,6 +317,8 @@ class Agent:
                 node=self.config.name,
                 backend="gloo" if self.config.simulated else None,
                 power_reader=None if self.nvml is None else self._nvml_reader(),
+                checkpoints=self._checkpoints,
+                checkpoint_interval_s=self.config.checkpoint_interval_s,
             )
             self._jobs[cmd.job_id] = job
             return job
@@ -599,7 +610,7 @@ class Agent:
         while len(self.outbox):
             batch = self.outbox.peek(MAX_BATCH)
             resp = self._post(
-                client, "/v1/telemetry", TelemetryReport(samples=batch), give_up_after_s
+                client, "/v1/telemetry", TelemetryReport(samples=batch, node=self.config.name), give_up_after_s
             )
             if resp.status_code == 200:
                 TelemetryAck.model_validate_json(resp.content)
@@ -632,6 +643,8 @@ class Agent:
             return
         try:
             job.runner.step_progress()
+            if not job.reached_end():
+                job.maybe_checkpoint(time.monotonic())
         except WorkerFailed as exc:
             log.error("job %d failed: %s", job.job_id, exc)
             self._cut(job)

@@ -6,9 +6,11 @@ The scheduler's CLI registers `agent` as a command; `python -m worker_agent.cli`
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
@@ -81,6 +83,17 @@ def agent(
         str | None,
         typer.Option(help="URL the scheduler should call (default: http://HOST:PORT)."),
     ] = None,
+    checkpoint_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Directory every agent can read (shared storage) for job checkpoints, so a job"
+            " resumes where it was when its node is lost; unset: it restarts from step 0.",
+            envvar="GREENFLOW_CHECKPOINT_DIR",
+        ),
+    ] = None,
+    checkpoint_interval_s: Annotated[
+        float, typer.Option(help="Seconds between checkpoints of a running job.")
+    ] = 300.0,
 ) -> None:
     """Run a worker agent: register with the scheduler and run the jobs it places here."""
     if (gpus is None) == (simulate_gpus is None):
@@ -100,6 +113,15 @@ def agent(
         _fail(f"--port must be 0..65535, got {port}")
     if advertise_url is not None and not re.fullmatch(r"https?://\S+", advertise_url):
         _fail(f"--advertise-url must be an http(s):// URL, got {advertise_url!r}")
+    if not checkpoint_interval_s > 0:
+        _fail(f"--checkpoint-interval-s must be > 0, got {checkpoint_interval_s}")
+    if checkpoint_dir is not None:
+        try:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            _fail(f"--checkpoint-dir {checkpoint_dir}: {exc}")
+        if not os.access(checkpoint_dir, os.W_OK):
+            _fail(f"--checkpoint-dir {checkpoint_dir}: not writable")
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -126,6 +148,8 @@ def agent(
         host=host,
         port=port,
         advertise_url=advertise_url,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_interval_s=checkpoint_interval_s,
     )
     try:
         fatal = serve(config, nvml)

@@ -11,13 +11,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal, cast
+from typing import Literal
 
 import torch
 
+from worker_agent.checkpoints import CheckpointStore
 from worker_agent.protocol import (
     AllocationAck,
     PowerSource,
@@ -26,10 +27,8 @@ from worker_agent.protocol import (
     WorkloadSpec,
 )
 from worker_agent.runtime.errors import WorkerFailed
-from worker_agent.runtime.layout import Layout
 from worker_agent.runtime.pool import GpuSlot, JobRunner, SwitchReport
 from worker_agent.runtime.presets import JobSpec
-from worker_agent.runtime.shards import shard_map
 from worker_agent.telemetry import energy_kwh, estimated_power_w
 from worker_agent.workloads import total_steps
 
@@ -42,41 +41,6 @@ PowerReader = Callable[["ManagedJob", float, float], tuple[float, float, PowerSo
 
 MIN_SAMPLE_INTERVAL_S = 0.05
 """Shorter intervals are not cut into a sample of their own (they join the next one)."""
-
-
-class ResumableJobRunner(JobRunner):
-    """JobRunner that can start from a gathered full state (resume after a pause).
-
-    Uses the runtime's `JobRunner.start_from_state` when this checkout has it; otherwise falls
-    back to starting fresh workers and loading each rank's shard of the saved logical tensors
-    through the workers' `restore` command (the one the runtime uses for its snapshot rollback).
-    """
-
-    def resume_from(
-        self,
-        job_spec: JobSpec,
-        gpus: Sequence[GpuSlot],
-        state: dict[str, torch.Tensor],
-        step: int,
-        native: bool = True,
-    ) -> Layout:
-        """Start workers on `gpus` holding `state` (from gather_state) at optimizer step `step`."""
-        runtime_resume = getattr(JobRunner, "start_from_state", None)
-        if native and runtime_resume is not None:
-            return cast(Layout, runtime_resume(self, job_spec, gpus, state, step))
-        layout = self.start(job_spec, gpus)
-        calls = []
-        for rank, handle in enumerate(self._ranks):
-            smap = shard_map(self._param_specs, self._n_blocks, layout, rank)
-            flat = torch.empty(smap.n_state_elems)
-            for h in smap.holdings():
-                flat[h.offset : h.offset + h.numel].copy_(state[h.tensor][h.start : h.end])
-            calls.append(
-                (handle, "restore", {"snap": flat, "layout": layout, "rank": rank, "step": step})
-            )
-        self._call(calls)
-        self._step = step
-        return layout
 
 
 def short_error(message: str, limit: int = 500) -> str:
@@ -109,6 +73,8 @@ class ManagedJob:
         node: str,
         backend: str | None,
         power_reader: PowerReader | None = None,
+        checkpoints: CheckpointStore | None = None,
+        checkpoint_interval_s: float = 300.0,
     ) -> None:
         self.job_id = job_id
         self.spec = spec
@@ -121,7 +87,7 @@ class ManagedJob:
         self.generation = 0
         self.last_ack: AllocationAck | None = None
         self.slot_indices: list[int] = []
-        self.runner: ResumableJobRunner | None = None
+        self.runner: JobRunner | None = None
         self.paused: PausedState | None = None
         self.error: str | None = None
         self.estimated_power_w: dict[int, float] = {}
@@ -134,6 +100,11 @@ class ManagedJob:
         self._sample_busy_s = 0.0
         self._sample_step = 0
         self._power_reader = power_reader
+        self.checkpoints = checkpoints
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self._checkpoint_at = time.monotonic()
+        self.resumed_from = "start"
+        """Where the current run's state came from: start, memory, or checkpoint@step<N>."""
 
     # ----- views ----------------------------------------------------------------------------
     @property
@@ -191,18 +162,30 @@ class ManagedJob:
             hot_switch=report is not None,
             switch_s=None if report is None else report.switch_s,
             bytes_moved=None if report is None else report.bytes_moved,
+            resumed_from=None if report is not None else self.resumed_from,
         )
 
     # ----- commands (caller holds self.lock) ------------------------------------------------
     def start(self, slots: list[int]) -> None:
-        """Start fresh (state idle) or resume from the pause snapshot (state paused)."""
-        runner = ResumableJobRunner(snapshot_policy="before_switch", backend=self.backend)
+        """Start from the pause snapshot (state paused), else the newest checkpoint, else fresh."""
+        runner = JobRunner(snapshot_policy="before_switch", backend=self.backend)
         gpu_slots = [GpuSlot(self.node, i) for i in slots]
+        stored = None
+        if self.paused is None and self.checkpoints is not None:
+            stored = self.checkpoints.latest(self.job_id, self.spec)
         try:
             if self.paused is not None:
-                runner.resume_from(self.job_spec, gpu_slots, self.paused.state, self.paused.step)
+                runner.start(
+                    self.job_spec, gpu_slots, state=(self.paused.state, self.paused.step)
+                )
+                self.resumed_from = "memory"
+            elif stored is not None:
+                runner.start(self.job_spec, gpu_slots, checkpoint=stored.runtime_checkpoint())
+                self.resumed_from = f"checkpoint@step{stored.step}"
+                self._last_step = stored.step
             else:
                 runner.start(self.job_spec, gpu_slots)
+                self.resumed_from = "start"
         except BaseException:
             runner.stop()
             raise
@@ -215,7 +198,28 @@ class ManagedJob:
         self._sample_at = time.monotonic()
         self._sample_busy_s = self._busy_acc_s
         self._sample_step = self.step
+        self._checkpoint_at = time.monotonic()
         self._run()
+
+    def maybe_checkpoint(self, now: float) -> bool:
+        """Save a checkpoint when the interval has passed (training pauses while it writes)."""
+        if (
+            self.checkpoints is None
+            or self.state != "running"
+            or self.runner is None
+            or now - self._checkpoint_at < self.checkpoint_interval_s
+        ):
+            return False
+        self._halt()
+        try:
+            saved = self.checkpoints.save(self.job_id, self.spec, self.runner)
+            log.info("job %d: checkpoint at step %d", self.job_id, saved.step)
+        except OSError as exc:  # storage trouble must not stop training; the next try may work
+            log.warning("job %d: checkpoint failed: %s", self.job_id, exc)
+        finally:
+            self._checkpoint_at = time.monotonic()
+            self._run()
+        return True
 
     def resize(self, slots: list[int]) -> tuple[SwitchReport, TelemetrySample | None]:
         """Hot-switch the running job onto `slots` (kept slots keep their worker process).
@@ -239,6 +243,12 @@ class ManagedJob:
         step = runner.step_progress().step
         loss = runner.step_progress().loss
         state = runner.gather_state()
+        if self.checkpoints is not None:
+            # The snapshot lives in this agent's memory; the checkpoint lets another node resume.
+            try:
+                self.checkpoints.save(self.job_id, self.spec, runner)
+            except OSError as exc:
+                log.warning("job %d: checkpoint at pause failed: %s", self.job_id, exc)
         self.paused = PausedState(state, step, loss)
         self._last_step = step
         runner.stop()
@@ -259,6 +269,10 @@ class ManagedJob:
         self.paused = None
         self.slot_indices = []
         self.state = final_state
+        if self.checkpoints is not None and final_state == "finished":
+            # Only a finished job's checkpoints are surely unneeded: a stopped one may be
+            # resuming on another node from them right now.
+            self.checkpoints.remove(self.job_id)
 
     def fail(self, message: str) -> None:
         """Record a worker failure and release whatever is left of the job's workers."""

@@ -125,6 +125,8 @@ class TelemetryReport(_Wire):
     """A batch of telemetry samples (retries are safe: sample_id makes them idempotent)."""
 
     samples: Annotated[list[TelemetrySample], Field(max_length=1000)]
+    # The reporting node (its registered name); samples of unknown nodes are kept without one.
+    node: NodeName | None = None
 
 
 class TelemetryAck(_Wire):
@@ -167,6 +169,9 @@ class AllocationAck(_Wire):
     hot_switch: bool = False
     switch_s: float | None = None
     bytes_moved: int | None = None
+    # Where a (re)started run's state came from: "start" (step 0), "memory" (the pause
+    # snapshot) or "checkpoint@step<N>" (shared storage); None for a hot switch.
+    resumed_from: str | None = None
 
 
 class StopCommand(_Wire):

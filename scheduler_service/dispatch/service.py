@@ -48,6 +48,20 @@ def _current_placements(session: Session, job_ids: list[int]) -> dict[int, Place
     return out
 
 
+def _pause_homes(
+    allocations: AllocationRepository, job_ids: list[int], current: dict[int, Placement]
+) -> dict[int, int]:
+    """Node of each paused job's acknowledged pause: its agent holds the job's state in memory."""
+    homes: dict[int, int] = {}
+    for job_id in job_ids:
+        if job_id in current:
+            continue
+        last = allocations.latest_acked(job_id)
+        if last is not None and last.gpus == 0 and last.node_id is not None:
+            homes[job_id] = last.node_id
+    return homes
+
+
 def _why_not_now(plan: AllocationPlan, job_id: str, budget_left_kg: float) -> str:
     later = [t for t, gpus in enumerate(plan.gpus.get(job_id, ())) if gpus > 0]
     if later:
@@ -133,12 +147,14 @@ def decide(session: Session, planning: PlanningInput, plan: AllocationPlan, now:
             j,
         ),
     )
-    placements = place(targets, current, nodes, allowed, order)
+    allocations = AllocationRepository(session)
+    placements = place(
+        targets, current, nodes, allowed, order, home=_pause_homes(allocations, job_ids, current)
+    )
     budget_left = min(
         (p.budget_left_kg for p in planning.problem.budget_periods if p.start_s <= 0 < p.end_s),
         default=float("inf"),
     )
-    allocations = AllocationRepository(session)
     jobs_repo = JobRepository(session)
     node_repo = NodeRepository(session)
     changed = 0
@@ -269,6 +285,7 @@ def record_ack(session: Session, allocation_id: int, ack: AllocationAck | None) 
     previous_gpus = job.current_gpus if JobState(job.state) in ACTIVE_STATES else 0
     job.current_gpus = ack.gpus
     job.current_layout = ack.layout
+    lost_samples = _rewind_progress(job, ack)
     job.step = max(job.step, ack.step)
     state = JobState(job.state)
     if state in TERMINAL_STATES:
@@ -304,11 +321,14 @@ def record_ack(session: Session, allocation_id: int, ack: AllocationAck | None) 
             JobEvent(
                 job_id=job.id,
                 kind="allocation",
-                reason=f"started on {ack.gpus} GPUs ({ack.layout}) at step {ack.step}",
+                reason=f"started on {ack.gpus} GPUs ({ack.layout}) at step {ack.step}"
+                + _resume_note(ack, lost_samples),
                 details={
                     "gpus": ack.gpus,
                     "layout": ack.layout,
                     "step": ack.step,
+                    "resumed_from": ack.resumed_from,
+                    "samples_lost": lost_samples,
                     "worker_pids": ack.worker_pids,
                     "generation": ack.generation,
                 },
@@ -316,6 +336,29 @@ def record_ack(session: Session, allocation_id: int, ack: AllocationAck | None) 
         )
     if state is not JobState.RUNNING:
         jobs.add_event(transition(job, JobState.RUNNING, reason=f"running on {ack.gpus} GPUs"))
+
+
+def _rewind_progress(job: Job, ack: AllocationAck) -> int:
+    """A run that started behind the recorded progress (node lost, no newer checkpoint) redoes
+    the difference: progress goes back to where the agent resumed. Returns samples lost."""
+    if ack.hot_switch or ack.gpus == 0 or ack.resumed_from is None:
+        return 0
+    resumed_samples = min(ack.step * job.global_batch_size, job.samples_done)
+    lost = job.samples_done - resumed_samples
+    if lost > 0:
+        job.samples_done = resumed_samples
+        job.step = ack.step
+    return lost
+
+
+def _resume_note(ack: AllocationAck, lost_samples: int) -> str:
+    if ack.resumed_from is None or (ack.resumed_from == "start" and lost_samples == 0):
+        return ""
+    where = {"start": "step 0", "memory": "its paused state"}.get(
+        ack.resumed_from, ack.resumed_from.replace("@", " at ")
+    )
+    lost = f"; {lost_samples} samples trained since then are redone" if lost_samples else ""
+    return f", resumed from {where}{lost}"
 
 
 def record_failure(session: Session, allocation_id: int, error: str, *, rejected: bool) -> None:

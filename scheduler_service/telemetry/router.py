@@ -23,7 +23,7 @@ def report_telemetry(body: TelemetryReport, _agent: Agent, request: Request) -> 
     """Store an agent's telemetry batch (idempotent per sample_id)."""
     # Its own transaction, retried if the control loop changed one of the jobs meanwhile.
     result = run_in_transaction(
-        request.app.state.session_factory, lambda s: service.ingest(s, None, body)
+        request.app.state.session_factory, lambda s: service.ingest(s, body)
     )
     if result.finished_job_ids:
         request.app.state.wake_control_loop()

@@ -13,6 +13,8 @@ class TelemetryOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     at: datetime
+    node_id: int | None
+    """The node that reported it (None for samples stored before nodes were recorded)."""
     interval_s: float
     step: int
     samples_done: int

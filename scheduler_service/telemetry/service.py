@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from scheduler_service.db.models import Node
 from scheduler_service.db.models import TelemetrySample as TelemetryRow
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.states import TERMINAL_STATES, JobState, transition
@@ -33,8 +32,9 @@ def total_samples_of(
     return (total_steps or 0) * global_batch_size
 
 
-def ingest(session: Session, node: Node | None, report: TelemetryReport) -> IngestResult:
+def ingest(session: Session, report: TelemetryReport) -> IngestResult:
     """Store new samples (retries are no-ops), move progress forward, mark finished jobs."""
+    node = NodeRepository(session).by_name(report.node) if report.node else None
     repo = TelemetryRepository(session)
     jobs = JobRepository(session)
     known = repo.known_sample_ids([s.sample_id for s in report.samples])

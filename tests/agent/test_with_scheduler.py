@@ -105,6 +105,8 @@ def test_agent_runs_a_job_the_real_scheduler_places(tmp_path: Path) -> None:
             assert all(s["energy_kwh"] > 0 and s["gpus"] >= 1 for s in samples)
             heartbeat = httpx.get(f"{url}/v1/nodes", headers=operator).json()[0]
             assert heartbeat["heartbeat_age_s"] < 10
+            # Every sample names the node that measured it.
+            assert {s["node_id"] for s in samples} == {heartbeat["id"]}
         finally:
             agent.send_signal(signal.SIGTERM)
             try:

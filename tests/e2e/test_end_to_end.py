@@ -122,6 +122,11 @@ class Stack:
                 str(gpus),
                 "--name",
                 name,
+                # Shared storage for both agents, so a lost node's jobs resume elsewhere.
+                "--checkpoint-dir",
+                str(self.tmp / "checkpoints"),
+                "--checkpoint-interval-s",
+                "2",
             ],
             f"agent-{name}.log",
         )
@@ -281,6 +286,13 @@ def test_scheduler_drives_real_agents_end_to_end(stack: Stack) -> None:
 
     wait_until("work on node-b", lambda: bool(running_on("node-b")), 180, stack)
     victims = running_on("node-b")
+    checkpoints = stack.tmp / "checkpoints"
+    wait_until(
+        "a checkpoint of work on node-b",
+        lambda: any((checkpoints / f"job-{j}" / "LATEST").is_file() for j in victims),
+        60,
+        stack,
+    )
     stack.kill(stack.agents["node-b"])
     wait_until(
         "node-b marked lost",
@@ -298,6 +310,16 @@ def test_scheduler_drives_real_agents_end_to_end(stack: Stack) -> None:
         420,
         stack,
     )
+
+    # A job of the lost node resumed from its checkpoint on the other node, not from step 0.
+    resumed = [
+        e["details"]
+        for job_id in victims
+        for e in stack.get(f"/v1/jobs/{job_id}/events")
+        if e["kind"] == "allocation"
+        and str(e["details"].get("resumed_from", "")).startswith("checkpoint@step")
+    ]
+    assert resumed and all(d["step"] > 0 for d in resumed), describe(stack)
 
     # Generations only grow, and each acknowledged command was acknowledged once.
     for job_id in job_ids:

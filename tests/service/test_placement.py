@@ -1,0 +1,48 @@
+"""Placement of one plan slot onto nodes (pure function)."""
+
+from __future__ import annotations
+
+from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place
+
+NODES = [NodeSlots(1, (0, 1, 2, 3)), NodeSlots(2, (0, 1, 2, 3, 4, 5, 6, 7))]
+ALLOWED = {10: (1, 2, 4, 8), 11: (1, 2, 4, 8), 12: (1, 2, 4, 8)}
+
+
+def test_a_running_job_keeps_its_slots_and_grows_in_place() -> None:
+    current = {10: Placement(2, (0, 1))}
+    out = place({10: 4}, current, NODES, ALLOWED, [10])
+    assert out[10] == Placement(2, (0, 1, 2, 3))
+
+
+def test_shrinking_frees_slots_before_others_are_placed() -> None:
+    current = {10: Placement(1, (0, 1, 2, 3))}
+    out = place({10: 1, 11: 3, 12: 8}, current, NODES, {**ALLOWED, 11: (3,)}, [12, 11, 10])
+    assert out[10] == Placement(1, (0,))
+    assert out[12] == Placement(2, tuple(range(8)))
+    assert out[11] == Placement(1, (1, 2, 3))
+
+
+def test_new_job_takes_the_best_fitting_node() -> None:
+    out = place({11: 4}, {}, NODES, ALLOWED, [11])
+    assert out[11] == Placement(1, (0, 1, 2, 3))
+
+
+def test_paused_job_goes_back_to_its_home_node_when_it_fits() -> None:
+    # Best fit alone would pick node 1 (4 free); home (node 2) holds its paused state.
+    out = place({11: 4}, {}, NODES, ALLOWED, [11], home={11: 2})
+    assert out[11] == Placement(2, (0, 1, 2, 3))
+
+
+def test_paused_job_moves_when_its_home_is_full_or_gone() -> None:
+    current = {10: Placement(1, (0, 1, 2, 3))}
+    out = place({10: 4, 11: 4}, current, NODES, ALLOWED, [10, 11], home={11: 1})
+    assert out[11].node_id == 2
+    gone = place({11: 2}, {}, NODES, ALLOWED, [11], home={11: 99})
+    assert gone[11] == Placement(1, (0, 1))
+
+
+def test_a_count_that_fits_nowhere_is_lowered_or_dropped() -> None:
+    out = place({11: 16}, {}, NODES, ALLOWED, [11])
+    assert out[11] == Placement(2, tuple(range(8)))
+    full = place({11: 8, 12: 8}, {}, [NodeSlots(1, tuple(range(8)))], ALLOWED, [11, 12])
+    assert full[12] == NOWHERE
