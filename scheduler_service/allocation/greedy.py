@@ -85,32 +85,51 @@ def reserve_deadlines(
         thr = arrays.throughput[i, : n_valid[i]]
         gpus = arrays.gpus[i, : n_valid[i]]
         slots = span[::-1] if late else span
-        # Fewest GPUs first: the slowest count that can cover the need in the window, placed
-        # slot by slot (latest first when `late`); faster counts only when it does not fit.
-        # The last option (-1) places the largest count that fits each slot.
+        total_s = float(dur[i, span].sum())
+        # The slowest fixed count that covers the need, placed slot by slot (latest first when
+        # `late`), then the largest count that fits each slot (-1). Measured on the 1,000 x 48
+        # bench: choosing among placements by GPU-slots booked instead (also without a partial
+        # deadline slot) did worse, 8.8 M vs 8.6 M: late slots are the cheap ones.
         for fixed in [*range(len(thr)), -1]:
-            if fixed >= 0 and thr[fixed] * float(dur[i].sum()) < need[i] * (1 - 1e-9):
+            if fixed >= 0 and thr[fixed] * total_s < need[i] * (1 - 1e-9):
                 continue
-            trial = np.full(num_slots, -1, dtype=np.int64)
-            left = need[i]
-            for t in slots:
-                top = fixed if fixed >= 0 else int(np.searchsorted(gpus, cap_left[t], "right")) - 1
-                if top < 0 or gpus[top] > cap_left[t]:
-                    continue
-                # The smallest count up to `top` that covers what is left here, else `top`.
-                covers = np.flatnonzero(thr[: top + 1] * dur[i, t] >= left * (1 - 1e-9))
-                k = int(covers[0]) if len(covers) else top
-                trial[t] = k
-                left -= thr[k] * dur[i, t]
-                if left <= need[i] * 1e-9:
-                    break
-            if left <= need[i] * 1e-9:
+            trial = _place(thr, gpus, dur[i], slots, cap_left, need[i], fixed)
+            if trial is not None:
                 on = trial >= 0
                 reserved[i, on] = trial[on]
                 cap_left[on] -= gpus[trial[on]]
                 protected[i] = True
                 break
     return reserved, protected
+
+
+def _place(
+    thr: np.ndarray,
+    gpus: np.ndarray,
+    dur: np.ndarray,
+    slots: np.ndarray,
+    cap_left: np.ndarray,
+    need: float,
+    fixed: int,
+) -> np.ndarray | None:
+    """One job's reservation over `slots` in that order at count `fixed` (-1: largest fitting).
+
+    Each slot takes the smallest count up to the cap that covers what is left, else the cap;
+    None when the need is not covered.
+    """
+    trial = np.full(len(cap_left), -1, dtype=np.int64)
+    left = need
+    for t in slots:
+        top = fixed if fixed >= 0 else int(np.searchsorted(gpus, cap_left[t], "right")) - 1
+        if top < 0 or gpus[top] > cap_left[t]:
+            continue
+        covers = np.flatnonzero(thr[: top + 1] * dur[t] >= left * (1 - 1e-9))
+        k = int(covers[0]) if len(covers) else top
+        trial[t] = k
+        left -= thr[k] * dur[t]
+        if left <= need * 1e-9:
+            return trial
+    return None
 
 
 def greedy_plan(

@@ -280,8 +280,8 @@ def build_compact_lp(problem: AllocationProblem, arrays: PlanArrays) -> CompactL
     deadline_jobs = [i for i, j in enumerate(problem.jobs) if j.deadline_s is not None]
     num_dl = len(deadline_jobs)
     n_x = num_opts * num_slots
-    # Deadlines inside a slot: y[o] <= x[o, slot] is the part of the slot run before the deadline
-    # (a job runs its share of a slot first, then idles), with sum_o y[o] <= the fraction left.
+    # Deadlines inside a slot: y[o] is the part of the slot run at option o before the deadline
+    # (a job runs from the slot's start), y[o] <= fraction before the deadline * x[o, slot].
     in_slot = []
     for n, j in enumerate(deadline_jobs):
         pos = problem.deadline_position(problem.jobs[j])
@@ -290,7 +290,8 @@ def build_compact_lp(problem: AllocationProblem, arrays: PlanArrays) -> CompactL
             in_slot.append((n, j, pos[0], pos[1]))
     y_opts = [np.flatnonzero(opt_job == j) for _, j, _, _ in in_slot]
     n_y = int(sum(len(o) for o in y_opts))
-    n_vars = n_x + num_dl + n_y
+    # e[o] (one per y): the rest of the deadline slot that running o before the deadline books.
+    n_vars = n_x + num_dl + 2 * n_y
     lower = np.zeros(n_vars)
     upper = np.ones(n_vars)
     too_big = arrays.gpus[opt_job, opt_k][:, None] > np.asarray(problem.capacity_gpus)[None, :]
@@ -313,10 +314,10 @@ def build_compact_lp(problem: AllocationProblem, arrays: PlanArrays) -> CompactL
     r = _Rows()
     oo, tt = np.meshgrid(np.arange(num_opts), slots, indexing="ij")
     xcol = oo * num_slots + tt
-    start = r.block(num_jobs * num_slots, -INF, 1.0)
-    r.add(start + opt_job[oo] * num_slots + tt, xcol, 1.0)
-    start = r.block(num_slots, -INF, np.asarray(problem.capacity_gpus, dtype=float))
-    r.add(start + tt, xcol, np.repeat(arrays.gpus[opt_job, opt_k].astype(float), num_slots))
+    one_row = r.block(num_jobs * num_slots, -INF, 1.0)
+    r.add(one_row + opt_job[oo] * num_slots + tt, xcol, 1.0)
+    cap_row = r.block(num_slots, -INF, np.asarray(problem.capacity_gpus, dtype=float))
+    r.add(cap_row + tt, xcol, np.repeat(arrays.gpus[opt_job, opt_k].astype(float), num_slots))
     # Total progress at most the remaining work.
     start = r.block(num_jobs, -INF, 1.0)
     r.add(start + opt_job[oo], xcol, np.repeat(progress, num_slots))
@@ -354,11 +355,19 @@ def build_compact_lp(problem: AllocationProblem, arrays: PlanArrays) -> CompactL
         for (n, _, slot, frac), opts in zip(in_slot, y_opts, strict=True):
             ys = y0 + np.arange(len(opts))
             r.add(np.full(len(opts), start + n), ys, progress[opts])
+            # y[o] <= frac * (x[o, slot] + e[o]), with e booked in the slot's capacity and
+            # one-option rows but earning no progress: a plan books whole slots, so running an
+            # option before the deadline books it for the whole slot. Valid for every integer
+            # plan (x = 1, y = frac; when its finishing slot is scaled down to the exact
+            # remaining work, e takes up the rest of the booking); it implies y <= x + e and
+            # sum_o y <= frac, and keeps the bound from time-sharing a slot the deadline cuts.
+            es = ys + n_y
             link = r.block(len(opts), -INF, 0.0)
             r.add(link + np.arange(len(opts)), ys, 1.0)
-            r.add(link + np.arange(len(opts)), opts * num_slots + slot, -1.0)
-            share_row = r.block(1, -INF, frac)
-            r.add(np.full(len(opts), share_row), ys, 1.0)
+            r.add(link + np.arange(len(opts)), opts * num_slots + slot, -frac)
+            r.add(link + np.arange(len(opts)), es, -frac)
+            r.add(cap_row + np.full(len(opts), slot), es, arrays.gpus[opt_job[opts], opt_k[opts]])
+            r.add(one_row + opt_job[opts] * num_slots + slot, es, 1.0)
             y0 += len(opts)
     if problem.budget_mode is BudgetMode.HARD:
         periods = problem.period_slots()
