@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -147,10 +148,44 @@ def test_solver_never_worse_than_a_baseline(problem: AllocationProblem) -> None:
         assert plan.objective <= other.objective * (1 + 1e-5) + 1e-6, name
 
 
-def test_solver_is_deterministic_for_a_seed() -> None:
+@SETTINGS
+@given(problem=problems(max_jobs=8, max_slots=6))
+def test_heuristic_alone_keeps_hard_constraints(problem: AllocationProblem) -> None:
+    # The path large problems take (no LP, no MIP) must keep every hard constraint too.
+    plan = solve(problem, time_limit_s=10.0, seed=0, use_lp=False)
+    check_hard_constraints(problem, plan.gpus)
+    assert plan.bound is None and plan.gap is None
+    assert plan.objective == pytest.approx(evaluate_gpus(problem, plan.gpus).objective)
+
+
+@SETTINGS
+@given(problem=problems(max_jobs=5, max_slots=5))
+def test_heuristic_meets_a_lone_deadline_whenever_it_can_be_met(
+    problem: AllocationProblem,
+) -> None:
+    # One deadline job among jobs without deadlines, no budget: the reservation must meet it
+    # whenever the job alone (brute force) can meet it on this capacity.
+    first, *others = problem.jobs
+    if first.deadline_s is None:
+        first = replace(first, deadline_s=SLOT_S * 1.5)
+    problem = replace(
+        problem,
+        jobs=(first, *(replace(j, deadline_s=None) for j in others)),
+        budget_periods=(),
+        budget_mode=BudgetMode.SOFT,
+    )
+    alone_misses, _ = brute_force(replace(problem, jobs=(first,)))
+    plan = solve(problem, time_limit_s=10.0, seed=0, use_lp=False)
+    if alone_misses == 0:
+        assert plan.deadline_met[first.job_id]
+    check_hard_constraints(problem, plan.gpus)
+
+
+@pytest.mark.parametrize("use_lp", [None, False])
+def test_solver_is_deterministic_for_a_seed(use_lp: bool | None) -> None:
     problem = _fixed_problem()
-    first = solve(problem, time_limit_s=10.0, seed=3)
-    second = solve(problem, time_limit_s=10.0, seed=3)
+    first = solve(problem, time_limit_s=10.0, seed=3, use_lp=use_lp)
+    second = solve(problem, time_limit_s=10.0, seed=3, use_lp=use_lp)
     assert first.gpus == second.gpus
 
 

@@ -117,9 +117,10 @@ def test_hard_budget_caps_planned_emissions() -> None:
     assert all(g == 0 for t, g in enumerate(plan.gpus["a"]) if t in (0, 1, 4, 5))
 
 
-def test_warm_start_is_never_worse_than_the_previous_plan() -> None:
+@pytest.mark.parametrize("use_lp", [None, False])
+def test_warm_start_is_never_worse_than_the_previous_plan(use_lp: bool | None) -> None:
     jobs = (job("a", 6.0), job("b", 3.0))
-    first = solve(problem(jobs), seed=0)
+    first = solve(problem(jobs), seed=0, use_lp=use_lp)
     moved = problem(
         tuple(
             JobSpec(
@@ -140,7 +141,7 @@ def test_warm_start_is_never_worse_than_the_previous_plan() -> None:
         intensity_g_per_kwh=moved.intensity_g_per_kwh,
         jobs=moved.jobs,
     )
-    second = solve(moved, previous=first, seed=0)
+    second = solve(moved, previous=first, seed=0, use_lp=use_lp)
     # The previous plan, moved one slot on, is a starting point the new plan never does worse than.
     warm = shift_previous(first, moved)
     assert warm is not None and warm["a"] == (*first.gpus["a"][1:], first.gpus["a"][-1])
