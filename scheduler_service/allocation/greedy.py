@@ -59,13 +59,19 @@ def slot_durations(problem: AllocationProblem, end_s: np.ndarray) -> np.ndarray:
 
 
 def reserve_deadlines(
-    problem: AllocationProblem, arrays: PlanArrays, protect: np.ndarray, late: bool = True
+    problem: AllocationProblem,
+    arrays: PlanArrays,
+    protect: np.ndarray,
+    late: bool = True,
+    smallest_first: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """EDF reservations: (option per job and slot, -1 = none; jobs actually protected).
+    """Deadline reservations: (option per job and slot, -1 = none; jobs actually protected).
 
-    Each protected job first tries the slowest constant count that meets its deadline, then
-    the largest count that fits slot by slot from now (as soon as possible); a job neither fits
-    loses its protection (its deadline is then left to the per-slot pricing).
+    Jobs are taken latest deadline first (or, with `smallest_first`, fewest GPU-seconds first,
+    which saves more deadlines when they cannot all fit); each tries the slowest fixed count that
+    covers its work before the deadline, then the largest count that fits each slot, placed as
+    late as possible (`late`) or as soon as possible; a job neither fits loses its protection
+    (its deadline is then left to the per-slot pricing).
     """
     num_jobs, num_slots = arrays.num_jobs, problem.num_slots
     end_s, need = effective_deadlines(problem, arrays)
@@ -74,10 +80,16 @@ def reserve_deadlines(
     reserved = np.full((num_jobs, num_slots), -1, dtype=np.int64)
     protected = np.zeros(num_jobs, dtype=bool)
     n_valid = arrays.valid.sum(axis=1)
-    order = sorted(
-        np.flatnonzero(protect & (need > 0)),
-        key=lambda i: (-end_s[i], i) if late else (end_s[i], i),
-    )
+    candidates = np.flatnonzero(protect & (need > 0))
+    if smallest_first:
+        total_s = dur.sum(axis=1)
+        covers = arrays.valid & (arrays.throughput * total_s[:, None] >= need[:, None] * (1 - 1e-9))
+        gpu_s = np.where(
+            covers, need[:, None] / np.maximum(arrays.throughput, 1e-12) * arrays.gpus, np.inf
+        ).min(axis=1)
+        order = sorted(candidates, key=lambda i: (gpu_s[i], end_s[i], i))
+    else:
+        order = sorted(candidates, key=lambda i: (-end_s[i], i) if late else (end_s[i], i))
     for i in order:
         span = np.flatnonzero(dur[i] > 0)
         if len(span) == 0:
@@ -101,6 +113,17 @@ def reserve_deadlines(
                 protected[i] = True
                 break
     return reserved, protected
+
+
+def best_reservation(
+    problem: AllocationProblem, arrays: PlanArrays, protect: np.ndarray
+) -> np.ndarray:
+    """The reservation (latest deadline first, or smallest first) that protects more jobs."""
+    by_deadline, kept = reserve_deadlines(problem, arrays, protect)
+    if kept.sum() == (protect & (effective_deadlines(problem, arrays)[1] > 0)).sum():
+        return by_deadline  # everything fits: no need to choose
+    by_size, kept_small = reserve_deadlines(problem, arrays, protect, smallest_first=True)
+    return by_size if kept_small.sum() > kept.sum() else by_deadline
 
 
 def _place(
@@ -138,6 +161,7 @@ def greedy_plan(
     protect: np.ndarray,
     prefer: np.ndarray | None = None,
     finish_slots: np.ndarray | None = None,
+    reserved: np.ndarray | None = None,
 ) -> np.ndarray:
     """Option index per job and slot (-1 = off) from reservations + per-slot GPU pricing.
 
@@ -146,12 +170,14 @@ def greedy_plan(
     `finish_slots`: expected finish per job (in slots, from an earlier pass or the previous plan);
     work then is valued by the slots it saves before that finish instead of before the horizon's
     end, which stops the greedy from overfeeding jobs that finish soon anyway.
+    `reserved`: a `best_reservation` to reuse across rounds (computed when None).
     """
     num_jobs, num_slots = arrays.num_jobs, problem.num_slots
     slot_s = problem.slot_s
     rows = np.arange(num_jobs)
     state = SlotState(problem, arrays)
-    reserved, _ = reserve_deadlines(problem, arrays, protect)
+    if reserved is None:
+        reserved = best_reservation(problem, arrays, protect)
     end_s, need = effective_deadlines(problem, arrays)
     dur = slot_durations(problem, end_s)
     # Samples the reservation still delivers after slot t (so slot t's floor can be lower).

@@ -200,14 +200,14 @@ class AllocationProblem:
 
     def deadline_miss_cost_s(self) -> float:
         """Weight of one missed deadline: above any other objective term, so misses come first."""
-        tail = sum(
-            j.priority * (j.remaining_samples / self.usable_max_rate(j) + self.slot_s)
-            for j in self.jobs
+        arrays = plan_arrays(self)
+        tail = float(
+            (arrays.priority * (arrays.remaining / arrays.max_throughput + self.slot_s)).sum()
         )
-        rest = sum(j.priority for j in self.jobs) * self.horizon_s + tail
+        rest = float(arrays.priority.sum()) * self.horizon_s + tail
         carbon = (
             self.carbon_price_s_per_kg
-            * sum(max(j.power_w) for j in self.jobs)
+            * float(arrays.power_w.max(axis=1, initial=0.0).sum())
             * float(self.slot_emissions_kg_per_w().sum())
         )
         changes = self.change_cost_s * len(self.jobs) * (self.num_slots + 1)
@@ -308,6 +308,21 @@ class PlanArrays:
         self.tail_kg = np.array([leftover_kg_per_fraction(problem, j) for j in jobs], dtype=float)
 
 
+_ARRAYS_CACHE: dict[int, tuple[AllocationProblem, PlanArrays]] = {}
+
+
+def plan_arrays(problem: AllocationProblem) -> PlanArrays:
+    """PlanArrays of a problem, reused while the same problem object is being evaluated."""
+    hit = _ARRAYS_CACHE.get(id(problem))
+    if hit is not None and hit[0] is problem:
+        return hit[1]
+    arrays = PlanArrays(problem)
+    # One entry is enough (a solve evaluates one problem many times) and keeps memory flat.
+    _ARRAYS_CACHE.clear()
+    _ARRAYS_CACHE[id(problem)] = (problem, arrays)
+    return arrays
+
+
 def leftover_kg_per_fraction(problem: AllocationProblem, job: JobSpec) -> float:
     """kg CO2e to finish all of a job's remaining work after the horizon (optimistic)."""
     joules_per_sample = min(
@@ -317,75 +332,92 @@ def leftover_kg_per_fraction(problem: AllocationProblem, job: JobSpec) -> float:
     return kwh * problem.pue * min(problem.intensity_g_per_kwh) / GRAMS_PER_KG
 
 
-def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> PlanEvaluation:
-    """Completion, energy, emissions, changes, checks and objective of a GPU matrix."""
+def _option_matrix(
+    problem: AllocationProblem, gpus: dict[str, tuple[int, ...]], arrays: PlanArrays
+) -> tuple[np.ndarray, np.ndarray]:
+    """(option index per job and slot, -1 = off or not allowed; GPU count as given)."""
     num_slots = problem.num_slots
-    kg_per_w = problem.slot_emissions_kg_per_w()
-    slot_kwh_per_w = problem.slot_s / SECONDS_PER_HOUR / WATTS_PER_KILOWATT * problem.pue
-    energy = np.zeros(num_slots)
-    emissions = np.zeros(num_slots)
-    used = np.zeros(num_slots, dtype=np.int64)
+    off = (0,) * num_slots
+    rows = [gpus.get(job.job_id, off) for job in problem.jobs]
+    for job, row in zip(problem.jobs, rows, strict=True):
+        if len(row) != num_slots:
+            raise InvalidProblem(f"plan for job {job.job_id} has {len(row)} slots, not {num_slots}")
+    counts = np.array(rows, dtype=np.int64).reshape(len(problem.jobs), num_slots)
+    # Padding options have 0 GPUs, so they never match a running count.
+    match = (arrays.gpus[:, :, None] == counts[:, None, :]) & (arrays.gpus[:, :, None] > 0)
+    options = np.where(match.any(axis=1), match.argmax(axis=1), -1)
+    return options, counts
+
+
+def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> PlanEvaluation:
+    """Completion, energy, emissions, changes, checks and objective of a GPU matrix.
+
+    Vectorised over jobs x slots (the solver evaluates every candidate plan with it). A job runs
+    a slot at its count from the slot's start; it finishes inside the first slot whose work covers
+    what is left. A plan books GPUs for whole slots, so energy and emissions charge the whole slot
+    (an upper bound that keeps hard budgets safe; the simulator charges what really ran).
+    """
+    num_slots, slot_s = problem.num_slots, problem.slot_s
+    arrays = plan_arrays(problem)
+    num_jobs = arrays.num_jobs
+    options, counts = _option_matrix(problem, gpus, arrays)
+    rows = np.arange(num_jobs)[:, None]
+    on = options >= 0
+    k = np.maximum(options, 0)
+    rate = np.where(on, arrays.throughput[rows, k], 0.0)
+    power = np.where(on, arrays.power_w[rows, k], 0.0)
+    remaining = arrays.remaining
+    work = rate * slot_s
+    done_after = np.cumsum(work, axis=1)
+    done_before = done_after - work
+    # Finishing slot: the first slot run whose work covers what is left (1e-9 s tolerance).
+    finishes = on & (remaining[:, None] - done_before <= rate * (slot_s + 1e-9))
+    finished: np.ndarray = np.any(finishes, axis=1)
+    t_fin = np.where(finished, finishes.argmax(axis=1), num_slots)
+    slots = np.arange(num_slots)[None, :]
+    before = slots < t_fin[:, None]
+    fin_rows = np.flatnonzero(finished)
+    finish_s = np.full(num_jobs, np.nan)
+    finish_s[fin_rows] = (
+        t_fin[fin_rows] * slot_s
+        + (remaining[fin_rows] - done_before[fin_rows, t_fin[fin_rows]])
+        / rate[fin_rows, t_fin[fin_rows]]
+    )
+    unfinished_area = np.where(before, 1.0 - done_after / remaining[:, None], 0.0).sum(axis=1)
+    done = np.where(finished, remaining, done_after[:, -1])
+    # Changes: against the count before (current_gpus for slot 0); a finished job handing its
+    # GPUs back is not a hot switch.
+    current = np.array([j.current_gpus for j in problem.jobs], dtype=np.int64)
+    prev = np.concatenate([current[:, None], counts[:, :-1]], axis=1)
+    release = (counts == 0) & (slots > t_fin[:, None])
+    changes = int(((counts != prev) & ~release).sum())
+    allowed_ok = bool(np.all(on | (counts == 0)))
+    used = np.where(on, counts, 0).sum(axis=0)
+    slot_kwh_per_w = slot_s / SECONDS_PER_HOUR / WATTS_PER_KILOWATT * problem.pue
+    energy = power.sum(axis=0) * slot_kwh_per_w
+    emissions = power.sum(axis=0) * problem.slot_emissions_kg_per_w()
+    leftover = np.maximum(0.0, 1.0 - done / remaining)
+    tail = leftover * arrays.tail_slots
+    weighted_s = float((arrays.priority * slot_s * (unfinished_area + tail)).sum())
+    leftover_kg = float((leftover * arrays.tail_kg).sum())
     completion: dict[str, float | None] = {}
     met: dict[str, bool] = {}
     unfinished: dict[str, float] = {}
-    changes = 0
-    allowed_ok = True
-    weighted_s = 0.0
-    leftover_kg = 0.0
     misses = 0
-    for job in problem.jobs:
-        counts = gpus.get(job.job_id, (0,) * num_slots)
-        if len(counts) != num_slots:
-            raise InvalidProblem(
-                f"plan for job {job.job_id} has {len(counts)} slots, not {num_slots}"
-            )
-        done = 0.0
-        finish: float | None = None
-        previous = job.current_gpus
-        unfinished_area = 0.0  # sum over slots of the work fraction still left at the slot's end
-        for t, g in enumerate(counts):
-            # A finished job handing its GPUs back is not a hot switch.
-            if g != previous and not (g == 0 and finish is not None):
-                changes += 1
-            previous = g
-            if g == 0 or g not in job.allowed_gpus:
-                allowed_ok = allowed_ok and g == 0
-                unfinished_area += 1.0 - done / job.remaining_samples
-                continue
-            k = job.allowed_gpus.index(g)
-            used[t] += g
-            if finish is None:
-                rate = job.throughput_samples_per_s[k]
-                need_s = (job.remaining_samples - done) / rate
-                if need_s <= problem.slot_s + 1e-9:
-                    finish = t * problem.slot_s + need_s
-                    done = job.remaining_samples
-                else:
-                    done += rate * problem.slot_s
-            unfinished_area += 1.0 - done / job.remaining_samples
-            # A plan books GPUs for whole slots, so the projection charges the whole slot (an
-            # upper bound that keeps hard budgets safe; the simulator charges what really ran).
-            energy[t] += job.power_w[k] * slot_kwh_per_w
-            emissions[t] += job.power_w[k] * kg_per_w[t]
+    horizon_s = problem.horizon_s
+    for i, job in enumerate(problem.jobs):
+        finish = None if not finished[i] else float(finish_s[i])
         completion[job.job_id] = finish
-        unfinished[job.job_id] = unfinished_area
-        leftover_fraction = max(0.0, 1.0 - done / job.remaining_samples)
-        tail = (
-            leftover_fraction
-            * job.remaining_samples
-            / (problem.usable_max_rate(job) * problem.slot_s)
-        )
-        weighted_s += job.priority * problem.slot_s * (unfinished_area + tail)
-        leftover_kg += leftover_fraction * leftover_kg_per_fraction(problem, job)
+        unfinished[job.job_id] = float(unfinished_area[i])
         if job.deadline_s is not None:
             ok = finish is not None and finish <= job.deadline_s + 1e-6
-            if finish is None and job.deadline_s >= problem.horizon_s:
+            if finish is None and job.deadline_s >= horizon_s:
                 # Past the horizon the job may run at full speed until its deadline.
-                after_s = job.deadline_s - problem.horizon_s
-                ok = done + problem.usable_max_rate(job) * after_s >= job.remaining_samples * (
+                after_s = job.deadline_s - horizon_s
+                ok = done[i] + arrays.max_throughput[i] * after_s >= job.remaining_samples * (
                     1 - 1e-9
                 )
-            met[job.job_id] = ok
+            met[job.job_id] = bool(ok)
             misses += 0 if ok else 1
     capacity_ok = bool(np.all(used <= np.asarray(problem.capacity_gpus)))
     budget_ok = True
@@ -443,9 +475,13 @@ def make_plan(
     solve_s: float,
     bound: float | None = None,
     notes: tuple[str, ...] = (),
+    evaluation: PlanEvaluation | None = None,
 ) -> AllocationPlan:
-    """Wrap a GPU matrix into an AllocationPlan with all projected figures filled in."""
-    ev = evaluate_gpus(problem, gpus)
+    """Wrap a GPU matrix into an AllocationPlan with all projected figures filled in.
+
+    `evaluation`: `evaluate_gpus(problem, gpus)` when the caller already has it.
+    """
+    ev = evaluate_gpus(problem, gpus) if evaluation is None else evaluation
     gap = None
     if bound is not None:
         # Deadlines no plan can meet cost the same everywhere: leave them out of the gap.

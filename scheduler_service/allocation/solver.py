@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from ortools.linear_solver.python import model_builder as mb
 
-from scheduler_service.allocation.greedy import greedy_plan
+from scheduler_service.allocation.greedy import best_reservation, greedy_plan
 from scheduler_service.allocation.model import (
     BuiltModel,
     CompactLp,
@@ -40,6 +40,7 @@ from scheduler_service.allocation.problem import (
     BudgetMode,
     JobSpec,
     PlanArrays,
+    PlanEvaluation,
     evaluate_gpus,
     make_plan,
 )
@@ -423,7 +424,7 @@ def greedy_candidates(
     prefer: dict[str, int] | None,
     finish: np.ndarray | None,
     passes: int,
-) -> list[dict[str, tuple[int, ...]]]:
+) -> list[tuple[dict[str, tuple[int, ...]], PlanEvaluation]]:
     """Plans of the reservation + pricing heuristic (greedy.py), `passes` rounds.
 
     Round one values work against the horizon's end (or the warm start's finish times); each
@@ -444,12 +445,16 @@ def greedy_candidates(
         start = np.array(
             [j.index_of(prefer.get(j.job_id, j.current_gpus)) for j in problem.jobs], dtype=np.int64
         )
+    reserved = best_reservation(problem, arrays, protect)
     out = []
     for _ in range(passes):
-        plan = greedy_plan(problem, arrays, protect, prefer=start, finish_slots=finish)
+        plan = greedy_plan(
+            problem, arrays, protect, prefer=start, finish_slots=finish, reserved=reserved
+        )
         gpus = trim_after_finish(problem, _to_gpus(problem, plan))
-        out.append(gpus)
-        fresh = _finish_slots(problem, arrays, evaluate_gpus(problem, gpus).completion_s) + 0.5
+        ev = evaluate_gpus(problem, gpus)
+        out.append((gpus, ev))
+        fresh = _finish_slots(problem, arrays, ev.completion_s) + 0.5
         finish = fresh if finish is None else 0.5 * finish + 0.5 * fresh
     return out
 
@@ -489,9 +494,10 @@ def solve(
     warm = shift_previous(previous, problem)
     if warm is not None:
         prefer = {job_id: counts[0] for job_id, counts in warm.items()}
-    candidates: list[tuple[dict[str, tuple[int, ...]], str]] = [
-        (g, "heuristic")
-        for g in greedy_candidates(
+    # (plan, status, evaluation): every candidate is evaluated once.
+    candidates: list[tuple[dict[str, tuple[int, ...]], str, PlanEvaluation]] = [
+        (g, "heuristic", ev)
+        for g, ev in greedy_candidates(
             problem,
             arrays,
             prefer,
@@ -499,36 +505,31 @@ def solve(
             greedy_passes(arrays, problem.num_slots, time_limit_s),
         )
     ]
+
+    def add(gpus: dict[str, tuple[int, ...]], status: str = "heuristic") -> None:
+        candidates.append((gpus, status, evaluate_gpus(problem, gpus)))
+
     if warm is not None:
-        candidates.append((trim_after_finish(problem, warm), "heuristic"))
+        add(trim_after_finish(problem, warm))
     run_lp = lp_affordable(arrays, problem.num_slots, time_limit_s) if use_lp is None else use_lp
     lp = solve_lp(problem, arrays) if run_lp else None
     if lp is not None:
         for mode in ("ceil", "nearest"):
-            candidates.append(
-                (
-                    trim_after_finish(problem, round_lp(problem, arrays, lp, prefer, mode)),
-                    "heuristic",
-                )
-            )
+            add(trim_after_finish(problem, round_lp(problem, arrays, lp, prefer, mode)))
         near = _near_deadline_mip(problem, arrays, lp, prefer, started + time_limit_s * 0.5, seed)
         if near is not None:
-            candidates.append((near, "heuristic"))
-    feasible = [(g, s) for g, s in candidates if _feasible(problem, g)]
-    best = min(feasible, key=lambda c: evaluate_gpus(problem, c[0]).objective) if feasible else None
+            add(near)
+    feasible = [c for c in candidates if _ok(c[2])]
+    best = min(feasible, key=lambda c: c[2].objective) if feasible else None
     if lp is not None and best is not None and len(problem.jobs) <= REPAIR_MAX_JOBS:
         savable = {
             j.job_id for j, ok in zip(problem.jobs, lp_deadline_met(problem, lp), strict=True) if ok
         }
-        best_met = evaluate_gpus(problem, best[0]).deadline_met
-        if any(not ok for k, ok in best_met.items() if k in savable):
+        if any(not ok for k, ok in best[2].deadline_met.items() if k in savable):
             repaired = trim_after_finish(problem, repair_deadlines(problem, best[0], savable))
-            if (
-                _feasible(problem, repaired)
-                and evaluate_gpus(problem, repaired).objective
-                < evaluate_gpus(problem, best[0]).objective
-            ):
-                best = (repaired, "heuristic")
+            ev = evaluate_gpus(problem, repaired)
+            if _ok(ev) and ev.objective < best[2].objective:
+                best = (repaired, "heuristic", ev)
     bound = None if lp is None else lp.bound
     status = "heuristic"
     binaries = int(arrays.valid.sum()) * problem.num_slots * 2
@@ -539,19 +540,17 @@ def solve(
         )
         if gpus is not None:
             gpus = trim_after_finish(problem, gpus)
-            if _feasible(problem, gpus) and (
-                best is None
-                or evaluate_gpus(problem, gpus).objective
-                <= evaluate_gpus(problem, best[0]).objective
-            ):
-                best = (gpus, "optimal" if optimal else "feasible")
+            ev = evaluate_gpus(problem, gpus)
+            if _ok(ev) and (best is None or ev.objective <= best[2].objective):
+                best = (gpus, "optimal" if optimal else "feasible", ev)
         if mip_bound is not None and bound is not None:
             bound = max(bound, mip_bound)
         if optimal and best is not None:
             status = "optimal"
     if best is None:
         # Nothing met the hard constraints (e.g. the budget is already spent): run nothing.
-        best = ({job.job_id: (0,) * problem.num_slots for job in problem.jobs}, "heuristic")
+        idle = {job.job_id: (0,) * problem.num_slots for job in problem.jobs}
+        best = (idle, "heuristic", evaluate_gpus(problem, idle))
     if status != "optimal":
         status = best[1]
     notes = () if lp is None else (f"lp_deadline_misses={float(lp.missed.sum()):.3f}",)
@@ -563,6 +562,7 @@ def solve(
         solve_s=time.perf_counter() - started,
         bound=bound,
         notes=notes,
+        evaluation=best[2],
     )
 
 
@@ -603,8 +603,8 @@ def _near_deadline_mip(
     return trim_after_finish(problem, round_lp(problem, arrays, lp, prefer, "ceil", prefix=head))
 
 
-def _feasible(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> bool:
-    ev = evaluate_gpus(problem, gpus)
+def _ok(ev: PlanEvaluation) -> bool:
+    """The evaluated plan meets every hard constraint."""
     return ev.capacity_ok and ev.allowed_ok and ev.budget_ok
 
 

@@ -18,6 +18,7 @@ from scheduler_service.allocation.problem import (
     JobSpec,
     PlanArrays,
     evaluate_gpus,
+    leftover_kg_per_fraction,
 )
 from scheduler_service.allocation.solver import solve, solve_lp
 
@@ -208,3 +209,74 @@ def _fixed_problem() -> AllocationProblem:
         intensity_g_per_kwh=(300.0, 250.0, 100.0, 90.0, 400.0, 450.0),
         jobs=jobs,
     )
+
+
+def reference_evaluation(
+    problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]
+) -> tuple[float, dict[str, float | None], int, bool]:
+    """Slot-by-slot loop version of evaluate_gpus: (objective, completion, changes, allowed)."""
+    kg_per_w = problem.slot_emissions_kg_per_w()
+    weighted_s = emissions_kg = leftover_kg = 0.0
+    completion: dict[str, float | None] = {}
+    changes = misses = 0
+    allowed = True
+    for job in problem.jobs:
+        done, finish, previous, area = 0.0, None, job.current_gpus, 0.0
+        for t, g in enumerate(gpus[job.job_id]):
+            if g != previous and not (g == 0 and finish is not None):
+                changes += 1
+            previous = g
+            if g in job.allowed_gpus:
+                k = job.allowed_gpus.index(g)
+                emissions_kg += job.power_w[k] * kg_per_w[t]
+                rate = job.throughput_samples_per_s[k]
+                if finish is None:
+                    if (job.remaining_samples - done) / rate <= problem.slot_s + 1e-9:
+                        finish = t * problem.slot_s + (job.remaining_samples - done) / rate
+                        done = job.remaining_samples
+                    else:
+                        done += rate * problem.slot_s
+            elif g != 0:
+                allowed = False
+            area += 1.0 - done / job.remaining_samples
+        completion[job.job_id] = finish
+        left = 1.0 - done / job.remaining_samples
+        max_rate = problem.usable_max_rate(job)
+        tail = left * job.remaining_samples / (max_rate * problem.slot_s)
+        weighted_s += job.priority * problem.slot_s * (area + tail)
+        leftover_kg += left * leftover_kg_per_fraction(problem, job)
+        if job.deadline_s is not None:
+            ok = finish is not None and finish <= job.deadline_s + 1e-6
+            if finish is None and job.deadline_s >= problem.horizon_s:
+                after_s = job.deadline_s - problem.horizon_s
+                ok = done + max_rate * after_s >= job.remaining_samples * (1 - 1e-9)
+            misses += 0 if ok else 1
+    objective = (
+        problem.deadline_miss_cost_s() * misses
+        + weighted_s
+        + problem.carbon_price_s_per_kg * (emissions_kg + leftover_kg)
+        + problem.change_cost_s * changes
+    )
+    return objective, completion, changes, allowed
+
+
+@SETTINGS
+@given(problem=problems(max_jobs=4, max_slots=5), data=st.data())
+def test_vectorised_evaluation_matches_the_slot_loop(
+    problem: AllocationProblem, data: st.DataObject
+) -> None:
+    # Any matrix, including counts a job may not run at (they must count as off, not allowed).
+    gpus = {
+        job.job_id: tuple(
+            data.draw(st.sampled_from((0, 3, *job.allowed_gpus))) for _ in range(problem.num_slots)
+        )
+        for job in problem.jobs
+    }
+    objective, completion, changes, allowed = reference_evaluation(problem, gpus)
+    ev = evaluate_gpus(problem, gpus)
+    assert ev.objective == pytest.approx(objective, rel=1e-9)
+    assert ev.gpu_changes == changes and ev.allowed_ok == allowed
+    for job_id, finish in completion.items():
+        got = ev.completion_s[job_id]
+        assert (got is None) == (finish is None)
+        assert got is None or got == pytest.approx(finish, rel=1e-9)
