@@ -85,3 +85,41 @@ def test_failed_transfer_keeps_every_worker_in_the_old_layout() -> None:
         report = run.resize(2, Layout(pp=2))
         assert report.ok and report.bytes_moved == report.bytes_lower_bound
         _assert_state_equal(before, run.gather_state())
+
+
+def test_default_policy_restores_a_dead_unique_shard_without_a_snapshot_copy() -> None:
+    # CPU workers keep their state in shared memory the runner maps: nothing is copied at the
+    # switch, yet the dead worker's state at the switch step survives it.
+    with JobRunner() as run:
+        run.start(SPEC, 2, Layout(tp=2))
+        run.train(2)
+        before = run.gather_state()
+        run.arm_fault(rank=1)
+        with pytest.raises(SwitchFailed) as info:
+            run.resize(2, Layout(pp=2))
+        assert info.value.recovered_from == "snapshot@step2"
+        report = info.value.__cause__.report  # type: ignore[union-attr]
+        assert report.snapshot_s == 0.0
+        assert run.layout == Layout(tp=2) and run.step_progress().step == 2
+        _assert_state_equal(before, run.gather_state())
+        report = run.resize(2, Layout(pp=2))
+        assert report.ok and report.snapshot_s == 0.0
+        _assert_state_equal(before, run.gather_state())
+
+
+def test_periodic_snapshot_is_the_fallback_and_costs_the_switch_nothing() -> None:
+    with JobRunner(snapshot_policy="periodic", snapshot_every_steps=2) as run:
+        run.start(SPEC, 2, Layout(tp=2))
+        run.train(1)  # first chunk: snapshot at step 1
+        run.train(1)
+        run.train(1)  # step 3: two steps since the last one, snapshot at step 3
+        at_3 = run.gather_state()
+        run.train(1)
+        run.arm_fault(rank=0)
+        with pytest.raises(SwitchFailed) as info:
+            run.resize(2, Layout(pp=2))
+        assert info.value.recovered_from == "snapshot@step3"
+        assert info.value.__cause__.report.snapshot_s == 0.0  # type: ignore[union-attr]
+        assert run.layout == Layout(tp=2) and run.step_progress().step == 3
+        _assert_state_equal(at_3, run.gather_state())
+        assert run.train(1)[0][0] == 3

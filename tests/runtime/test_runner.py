@@ -68,3 +68,25 @@ def test_start_from_checkpoint_or_state_reshards_exactly(tmp_path: Path) -> None
         got = restarted.gather_state()
         assert all(torch.equal(got[k], state[k]) for k in state)
         assert restarted.train(1)[0][0] == 2
+
+
+def test_same_workers_switch_while_training_builds_groups_before_the_pause() -> None:
+    # Same slots, same ranks: the new layout's sub-groups form in the staging thread while the
+    # training thread runs collectives on the old ones.
+    spec = JobSpec(preset="gpt", n_layers=2, d_model=32, n_heads=4)
+    with JobRunner() as run:
+        run.start(spec, 2, Layout(dp=2))
+        run.run_background(steps_per_chunk=1)
+        _wait_for_step(run, 2)
+        pids = run.worker_pids()
+        report = run.resize(2, Layout(tp=2))
+        assert report.ok and report.regroup_s < report.switch_s
+        assert run.worker_pids() == pids
+        _wait_for_step(run, report.step + 2)
+        report = run.resize(2, Layout(pp=2))
+        assert report.ok and report.bytes_moved == report.bytes_lower_bound
+        _wait_for_step(run, report.step + 2)
+        progress = run.step_progress()
+        assert progress.layout == Layout(pp=2) and progress.loss is not None
+        assert torch.isfinite(torch.tensor(progress.loss))
+        run.pause()

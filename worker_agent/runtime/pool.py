@@ -464,6 +464,7 @@ class JobRunner:
                 device_index=slot.index if self.backend == "nccl" else None,
                 timeout_s=self.timeout_s,
                 direct_min_run_bytes=self.direct_min_run_bytes,
+                shared_state=self._shared_state,
             )
             self._next_id += 1
             proc = self._ctx.Process(target=worker_main, args=(child, cfg), daemon=True)
@@ -656,6 +657,7 @@ class JobRunner:
                         "new_layout": new_layout if h.worker_id in new_rank else None,
                         "new_rank": new_rank.get(h.worker_id, -1),
                         "done_key": keys[h.worker_id],
+                        "prebuild_groups": self._prebuild_groups(old, target, [], added),
                     },
                 )
                 for h in hs
@@ -671,6 +673,14 @@ class JobRunner:
             if time.monotonic() > deadline or not all(h.proc.is_alive() for h in handles):
                 return
             time.sleep(0.002)
+
+    @staticmethod
+    def _prebuild_groups(
+        old: list[_Handle], target: list[_Handle], leaving: list[_Handle], added: list[_Handle]
+    ) -> bool:
+        """True when the process group does not change, so sub-groups can form while staging."""
+        same = [h.worker_id for h in old] == [h.worker_id for h in target]
+        return same and not leaving and not added
 
     def _refresh_live(self) -> None:
         """Keep the shared-memory handles of every worker's current state."""
@@ -694,6 +704,7 @@ class JobRunner:
         before_pause: tuple[float, float, float],
     ) -> SwitchReport:
         spawn_s, plan_s, stage_s = before_pause
+        prebuilt = self._prebuild_groups(old, target, leaving, added)
         t_start = time.perf_counter()
         snapshot_s = 0.0
         if self._shared_state and len(self._live) == len(old):
@@ -759,7 +770,8 @@ class JobRunner:
             self._join(target)
         self._ranks = target
         self._layout = new_layout
-        self._call([(h, "build_groups", {}) for h in target])
+        if not prebuilt:
+            self._call([(h, "build_groups", {}) for h in target])
         regroup_s += time.perf_counter() - t0
         report = self._report(
             old_layout,
@@ -778,12 +790,15 @@ class JobRunner:
             group_rank=group_rank,
             stage_s=stage_s,
         )
-        # Handles of the new state; the old buffers are freed once nobody maps them.
+        # Handles of the new state; the old buffers are freed once nobody maps them (below).
+        retired = [self._live, self._snapshot]
         self._live = {
             h.worker_id: v
             for h, v in zip(union, handles, strict=True)
             if v is not None and h.worker_id in new_rank
         }
+        if self._shared_state:
+            self._snapshot = {}
         if self.snapshot_policy != "none" and not self._shared_state:
             self._snapshot = {}  # a snapshot of the old layout cannot be restored in the new one
             self._snapshot_step = None
@@ -794,6 +809,8 @@ class JobRunner:
             )
             reaper.start()
             self._reapers.append(reaper)
+        # Unmapping the old state takes tens of ms; after the pause, in a thread.
+        threading.Thread(target=retired.clear, name="greenflow-free", daemon=True).start()
         return report
 
     def _report(

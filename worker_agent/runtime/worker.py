@@ -98,7 +98,10 @@ class Worker:
         self.tp = TensorParallel()
         self.dp_group: dist.ProcessGroup | None = None
         self._snap: torch.Tensor | None = None
-        self._pending: tuple[Layout | None, int, torch.Tensor | None, int] | None = None
+        self._pending: (
+            tuple[Layout | None, int, torch.Tensor | None, int, dict[str, Any]] | None
+        ) = None
+        self._retired: list[Any] = []
         self._staging: _Staging | None = None
 
     # ----- process groups -------------------------------------------------------------------
@@ -122,19 +125,23 @@ class Worker:
     def _build_groups(self) -> None:
         """Sub-groups of the current layout, created in the same order on every rank."""
         assert self.layout is not None
-        lay, me = self.layout, self.rank
-        self.tp = TensorParallel(size=lay.tp, rank=lay.coords(me).tp)
-        self.dp_group = None
+        self.tp, self.dp_group = self._make_groups(self.layout, self.rank)
+
+    @staticmethod
+    def _make_groups(lay: Layout, me: int) -> tuple[TensorParallel, dist.ProcessGroup | None]:
+        tp = TensorParallel(size=lay.tp, rank=lay.coords(me).tp)
+        dp_group = None
         if lay.tp > 1:
             for ranks in lay.tp_groups():
                 g = dist.new_group(ranks)
                 if me in ranks:
-                    self.tp.group = g
+                    tp.group = g
         if lay.dp > 1:
             for ranks in lay.dp_groups():
                 g = dist.new_group(ranks)
                 if me in ranks:
-                    self.dp_group = g
+                    dp_group = g
+        return tp, dp_group
 
     # ----- state ----------------------------------------------------------------------------
     def _alloc_state(self, numel: int) -> torch.Tensor:
@@ -213,6 +220,11 @@ class Worker:
     # ----- training -------------------------------------------------------------------------
     def cmd_train(self, steps: int) -> list[StepStats]:
         """Run `steps` optimizer steps in the current layout."""
+        if self._retired:
+            # The state a switch replaced: unmapping it takes tens of ms with the GIL held, so it
+            # happens here, overlapping training, rather than inside the switch's pause.
+            retired, self._retired = self._retired, []
+            threading.Thread(target=retired.clear, name="greenflow-free", daemon=True).start()
         return [self._train_step() for _ in range(steps)]
 
     def _train_step(self) -> StepStats:
@@ -334,6 +346,7 @@ class Worker:
         new_layout: Layout | None,
         new_rank: int,
         done_key: str,
+        prebuild_groups: bool = False,
     ) -> None:
         """Start staging a switch in a thread (training goes on); sets `done_key` when done."""
         self.cmd_switch_abort()
@@ -344,6 +357,11 @@ class Worker:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)
                 staging.result = self._stage(plan, new_layout, new_rank)
+                if prebuild_groups and new_layout is not None:
+                    # Same process group before and after (same workers, same ranks): the new
+                    # layout's sub-groups can form now instead of in the pause. Every rank does
+                    # this in the same order; the training thread creates no groups meanwhile.
+                    staging.result.extra["groups"] = self._make_groups(new_layout, new_rank)
             except BaseException as exc:  # re-raised by switch_prepare
                 staging.error = exc
             finally:
@@ -359,7 +377,7 @@ class Worker:
         new_numel = None
         if new_layout is not None:
             new_numel = shard_map(self.specs, self.n_blocks, new_layout, new_rank).n_state_elems
-        return stage_switch(
+        staged = stage_switch(
             plan,
             self.cfg.worker_id,
             self.flat,
@@ -368,6 +386,11 @@ class Worker:
             alloc=self._alloc_state,
             direct_min_run_bytes=self.cfg.direct_min_run_bytes,
         )
+        if new_numel is not None and not staged.identity:
+            # The new layout's gradient buffer too, so the first step after the switch does not
+            # fault in fresh pages either.
+            staged.extra["grad"] = torch.zeros(new_numel // 3, device=self.device)
+        return staged
 
     def cmd_switch_prepare(
         self,
@@ -409,7 +432,7 @@ class Worker:
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
-        self._pending = (new_layout, new_rank, staged.new_flat, step)
+        self._pending = (new_layout, new_rank, staged.new_flat, step, staged.extra)
         return stats
 
     def cmd_switch_commit(self) -> tuple[torch.Tensor, Layout, int] | None:
@@ -418,14 +441,20 @@ class Worker:
         Returns the new state's shared-memory handle when the runner keeps one.
         """
         assert self._pending is not None
-        layout, rank, flat, step = self._pending
+        layout, rank, flat, step, extra = self._pending
         self._pending = None
         if layout is None or flat is None:
             self.flat, self.params, self.grad_flat, self.smap = None, {}, None, None
             self.layout, self.rank = None, -1
             self.buffers.release()
             return None
+        grad = self.grad_flat if flat is self.flat else extra.get("grad")
+        # Freed when training resumes (see cmd_train), not in the pause.
+        self._retired += [self.flat, self.params, self.grad_flat]
         self._install(layout, rank, flat, step)
+        self.grad_flat = grad
+        if "groups" in extra:
+            self.tp, self.dp_group = extra["groups"]
         return self.cmd_state_handle()
 
     def cmd_switch_abort(self) -> None:
