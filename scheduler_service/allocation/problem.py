@@ -295,17 +295,25 @@ class PlanArrays:
         self.progress = (
             self.throughput * problem.slot_s / np.maximum(self.remaining, 1e-12)[:, None]
         )
-        self.max_throughput = np.array([problem.usable_max_rate(j) for j in jobs], dtype=float)
         # Counts above every slot's capacity can never run: leave them out of the models.
         cap = max(problem.capacity_gpus)
         fits = self.gpus <= cap
+        # usable_max_rate, vectorised: fastest count that fits (else the smallest count's rate).
+        fitting = np.where(self.valid & fits, self.throughput, -np.inf).max(axis=1, initial=-np.inf)
+        self.max_throughput = np.where(np.isfinite(fitting), fitting, self.throughput[:, 0])
         fits[:, 0] |= ~fits.any(axis=1)  # keep one option per job (it stays off by capacity)
         self.valid &= fits
         # Slots still needed at the fastest rate per unit of leftover work fraction.
         self.tail_slots = self.remaining / (self.max_throughput * problem.slot_s)
         # Emissions of finishing all remaining work after the horizon at the job's most
-        # efficient count and the horizon's cleanest intensity (deferring is never free).
-        self.tail_kg = np.array([leftover_kg_per_fraction(problem, j) for j in jobs], dtype=float)
+        # efficient count and the horizon's cleanest intensity (deferring is never free);
+        # leftover_kg_per_fraction, vectorised.
+        joules_per_sample = np.where(
+            self.gpus > 0, self.power_w / np.where(self.gpus > 0, self.throughput, 1.0), np.inf
+        ).min(axis=1, initial=np.inf)
+        kwh = self.remaining * joules_per_sample / SECONDS_PER_HOUR / WATTS_PER_KILOWATT
+        intensity = min(problem.intensity_g_per_kwh)
+        self.tail_kg = kwh * problem.pue * intensity / GRAMS_PER_KG
 
 
 _ARRAYS_CACHE: dict[int, tuple[AllocationProblem, PlanArrays]] = {}
@@ -500,7 +508,7 @@ def make_plan(
     return AllocationPlan(
         start_at=problem.start_at,
         slot_s=problem.slot_s,
-        gpus={j.job_id: tuple(int(g) for g in gpus[j.job_id]) for j in problem.jobs},
+        gpus={j.job_id: tuple(map(int, gpus[j.job_id])) for j in problem.jobs},
         completion_s=ev.completion_s,
         energy_kwh_per_slot=tuple(float(x) for x in ev.energy_kwh_per_slot),
         emissions_kg_per_slot=tuple(float(x) for x in ev.emissions_kg_per_slot),

@@ -43,6 +43,7 @@ from scheduler_service.allocation.problem import (
     PlanEvaluation,
     evaluate_gpus,
     make_plan,
+    plan_arrays,
 )
 from scheduler_service.allocation.slots import SlotState, fit_slot
 
@@ -52,12 +53,13 @@ EXACT_MAX_BINARIES = 150
 REPAIR_MAX_JOBS = 100
 # Moves the repair tries at most (a count, not a clock, so results do not depend on load).
 REPAIR_MAX_TRIALS = 2000
-# Time estimates per (valid option x slot) cell, measured on the 2-core dev machine (quiet):
-# HiGHS on the compact LP ~1.8-7 s at 1,000 jobs x 48 slots (~230k cells); one greedy round
-# plus its evaluation ~0.09 s there. Deliberately pessimistic: they only pick what to run.
+# Time estimates per (valid option x slot) cell, measured on the 2-core dev machine: HiGHS on
+# the compact LP 1.8 s (quiet) to 14 s (load 6) at 1,000 jobs x 48 slots (~260k cells); one
+# greedy round plus its evaluation ~0.04 s there (load 2). Pessimistic on purpose (a loaded
+# machine must still fit the limit); they only decide what runs, from the size alone.
 LP_SECONDS_PER_CELL = 2e-5
-GREEDY_SECONDS_PER_CELL = 6e-7
-GREEDY_MAX_PASSES = 6
+GREEDY_SECONDS_PER_CELL = 3e-7
+GREEDY_MAX_PASSES = 4
 
 
 class SolverError(RuntimeError):
@@ -384,13 +386,13 @@ def shift_previous(
     return out
 
 
-def _to_gpus(problem: AllocationProblem, plan: np.ndarray) -> dict[str, tuple[int, ...]]:
+def _to_gpus(
+    problem: AllocationProblem, arrays: PlanArrays, plan: np.ndarray
+) -> dict[str, tuple[int, ...]]:
     """Option indices (-1 = off) to GPU counts per job."""
-    out = {}
-    for i, job in enumerate(problem.jobs):
-        counts = np.concatenate([[0], np.asarray(job.allowed_gpus, dtype=np.int64)])
-        out[job.job_id] = tuple(int(g) for g in counts[plan[i] + 1])
-    return out
+    rows = np.arange(arrays.num_jobs)[:, None]
+    counts = np.where(plan >= 0, arrays.gpus[rows, np.maximum(plan, 0)], 0)
+    return dict(zip((j.job_id for j in problem.jobs), map(tuple, counts.tolist()), strict=True))
 
 
 def _finish_slots(
@@ -451,12 +453,31 @@ def greedy_candidates(
         plan = greedy_plan(
             problem, arrays, protect, prefer=start, finish_slots=finish, reserved=reserved
         )
-        gpus = trim_after_finish(problem, _to_gpus(problem, plan))
+        gpus = _to_gpus(problem, arrays, plan)
         ev = evaluate_gpus(problem, gpus)
+        if _runs_after_finish(problem, gpus, ev):
+            # The greedy stops a job once its work is done; trim in case rounding kept one on.
+            gpus = trim_after_finish(problem, gpus)
+            ev = evaluate_gpus(problem, gpus)
         out.append((gpus, ev))
         fresh = _finish_slots(problem, arrays, ev.completion_s) + 0.5
         finish = fresh if finish is None else 0.5 * finish + 0.5 * fresh
     return out
+
+
+def _runs_after_finish(
+    problem: AllocationProblem, gpus: dict[str, tuple[int, ...]], ev: PlanEvaluation
+) -> bool:
+    """Whether any job keeps GPUs in a slot after the one it finishes in."""
+    for job in problem.jobs:
+        finish = ev.completion_s[job.job_id]
+        if finish is not None:
+            last = int(finish // problem.slot_s)
+            if finish > 0 and finish % problem.slot_s == 0:
+                last -= 1
+            if any(gpus[job.job_id][last + 1 :]):
+                return True
+    return False
 
 
 def lp_affordable(arrays: PlanArrays, num_slots: int, time_limit_s: float) -> bool:
@@ -489,7 +510,7 @@ def solve(
     started = time.perf_counter()
     if not problem.jobs:
         return make_plan(problem, {}, status="optimal", policy="greenflow", solve_s=0.0, bound=0.0)
-    arrays = PlanArrays(problem)
+    arrays = plan_arrays(problem)
     prefer = None
     warm = shift_previous(previous, problem)
     if warm is not None:
