@@ -58,6 +58,40 @@ def _step(
     return np.minimum(done + rate * state.problem.slot_s, arrays.remaining)
 
 
+def _edf_min_share(problem: AllocationProblem, *, fill: bool) -> np.ndarray:
+    """EDF: each deadline job at the smallest count keeping a constant pace to its deadline.
+
+    With `fill`, spare GPUs go to the best marginal throughput (ElasticFlow); without, jobs
+    without a deadline run at their most energy-efficient count (fewest joules per sample).
+    """
+    arrays = PlanArrays(problem)
+    state = SlotState(problem, arrays)
+    n, num_slots = arrays.num_jobs, problem.num_slots
+    deadline = _deadlines(problem)
+    done = np.zeros(n)
+    plan = np.full((n, num_slots), -1, dtype=int)
+    joules_per_sample = np.where(
+        arrays.valid, arrays.power_w / np.maximum(arrays.throughput, 1e-12), np.inf
+    )
+    leanest = joules_per_sample.argmin(axis=1)
+    for t in range(num_slots):
+        active = done < arrays.remaining * (1 - 1e-9)
+        left_s = deadline - t * problem.slot_s
+        has_dl = active & np.isfinite(deadline) & (left_s > 0)
+        pace = np.where(has_dl, (arrays.remaining - done) / np.maximum(left_s, 1e-9), 0.0)
+        meets = arrays.valid & (arrays.throughput >= pace[:, None] * (1 - 1e-9))
+        min_share = np.where(meets.any(axis=1), meets.argmax(axis=1), arrays.valid.sum(axis=1) - 1)
+        choice = np.where(has_dl, min_share, -1 if fill else np.where(active, leanest, -1))
+        # Earlier deadlines lose GPUs last; ElasticFlow's admission keeps this rare.
+        urgency = np.where(has_dl, 1e6 / np.maximum(left_s, 1.0), 0.0)
+        loss = arrays.priority / arrays.remaining + urgency
+        gain = arrays.priority / arrays.remaining
+        choice = fit_slot(state, t, choice, active, loss, gain, state.slot_budget_kg(t), fill=fill)
+        plan[:, t] = choice
+        done = _step(state, arrays, t, choice, done)
+    return plan
+
+
 def carbon_agnostic(
     problem: AllocationProblem,
     *,
@@ -67,28 +101,19 @@ def carbon_agnostic(
 ) -> AllocationPlan:
     """ElasticFlow-style elastic scheduling: minimum deadline share, then best marginal gain."""
     started = time.perf_counter()
-    arrays = PlanArrays(problem)
-    state = SlotState(problem, arrays)
-    n, num_slots = arrays.num_jobs, problem.num_slots
-    deadline = _deadlines(problem)
-    done = np.zeros(n)
-    plan = np.full((n, num_slots), -1, dtype=int)
-    for t in range(num_slots):
-        active = done < arrays.remaining * (1 - 1e-9)
-        left_s = deadline - t * problem.slot_s
-        has_dl = active & np.isfinite(deadline) & (left_s > 0)
-        pace = np.where(has_dl, (arrays.remaining - done) / np.maximum(left_s, 1e-9), 0.0)
-        meets = arrays.valid & (arrays.throughput >= pace[:, None] * (1 - 1e-9))
-        min_share = np.where(meets.any(axis=1), meets.argmax(axis=1), arrays.valid.sum(axis=1) - 1)
-        choice = np.where(has_dl, min_share, -1)
-        # Earlier deadlines lose GPUs last; ElasticFlow's admission keeps this rare.
-        urgency = np.where(has_dl, 1e6 / np.maximum(left_s, 1.0), 0.0)
-        loss = arrays.priority / arrays.remaining + urgency
-        gain = arrays.priority / arrays.remaining
-        choice = fit_slot(state, t, choice, active, loss, gain, state.slot_budget_kg(t), fill=True)
-        plan[:, t] = choice
-        done = _step(state, arrays, t, choice, done)
-    return _finish(problem, plan, "carbon-agnostic", started)
+    return _finish(problem, _edf_min_share(problem, fill=True), "carbon-agnostic", started)
+
+
+def lean_edf(
+    problem: AllocationProblem,
+    *,
+    previous: AllocationPlan | None = None,
+    time_limit_s: float = 5.0,
+    seed: int = 0,
+) -> AllocationPlan:
+    """EDF at the minimum deadline share without filling spare GPUs (least energy per deadline)."""
+    started = time.perf_counter()
+    return _finish(problem, _edf_min_share(problem, fill=False), "lean-edf", started)
 
 
 def static_fcfs(

@@ -10,8 +10,8 @@ from scheduler_service.allocation.baselines import (
     static_fcfs,
     temporal_shift,
 )
+from scheduler_service.allocation.guarded import greenflow
 from scheduler_service.allocation.problem import AllocationPlan, AllocationProblem
-from scheduler_service.allocation.solver import solve
 
 
 class Policy(Protocol):
@@ -28,7 +28,8 @@ class Policy(Protocol):
 
 
 POLICIES: dict[str, Policy] = {
-    "greenflow": solve,
+    # The solver, guarded by deadline-safe candidates (see guarded.py).
+    "greenflow": greenflow,
     "carbon-agnostic": carbon_agnostic,
     "static": static_fcfs,
     "carbon-greedy": carbon_greedy,

@@ -14,7 +14,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal
 
@@ -55,6 +55,12 @@ class SimulationConfig:
     carbon_price_s_per_kg: float = 0.0
     pue: float = 1.0
     switch_s: float = 30.0  # progress lost per GPU-count change (hot switch)
+    # Policies see deadlines this much earlier than the trace's, so a plan that finishes just in
+    # time still does after a hot switch or two (None: 2 x switch_s).
+    deadline_margin_s: float | None = None
+    # Deadline jobs that admission cannot guarantee run without a guarantee instead of being
+    # rejected (every job then finishes: the fair basis for comparing JCT).
+    best_effort: bool = False
     forecast_error: float = 0.0  # relative std of the multiplicative forecast noise
     model_error: float = 0.0  # relative std of the per-job throughput/power misestimate
     time_limit_s: float = 2.0
@@ -70,6 +76,8 @@ class SimulationConfig:
             raise SimulationError("budget_kg must be >= 0")
         if self.switch_s < 0 or self.switch_s >= self.slot_s:
             raise SimulationError("switch_s must be >= 0 and shorter than a slot")
+        if self.deadline_margin_s is not None and self.deadline_margin_s < 0:
+            raise SimulationError("deadline_margin_s must be >= 0")
         if self.forecast_error < 0 or self.model_error < 0:
             raise SimulationError("forecast_error and model_error must be >= 0")
         try:
@@ -81,6 +89,11 @@ class SimulationConfig:
     def capacity_gpus(self) -> int:
         """GPUs in the cluster."""
         return self.num_nodes * self.gpus_per_node
+
+    @property
+    def margin_s(self) -> float:
+        """Seconds by which policies see deadlines early."""
+        return 2 * self.switch_s if self.deadline_margin_s is None else self.deadline_margin_s
 
 
 @dataclass
@@ -123,10 +136,13 @@ class SimulationReport:
     jobs: int
     admitted: int
     finished: int
+    unfinished: int  # admitted but not finished when the replay stopped
     deadline_jobs: int
     deadline_met_ratio: float
-    avg_jct_s: float | None
+    avg_jct_s: float | None  # finished jobs only
     p95_jct_s: float | None
+    # Every admitted job; one left unfinished counts until the replay's end (a lower bound).
+    avg_jct_all_s: float | None
     energy_kwh: float
     emissions_kg: float
     budget_kg: float | None
@@ -209,6 +225,7 @@ def simulate_trace(
     run_span_s = max(last_s - start_s, slot_s)
     periods = _budget_periods(config, start_s, run_span_s)
     spent_kg = [0.0] * len(periods)
+    period_share_kg = periods[0][2] if periods else 0.0
 
     states: dict[str, _JobState] = {}
     pending = list(jobs)
@@ -222,6 +239,9 @@ def simulate_trace(
     idle_ticks = 0
     last_activity_s = start_s
     while ticks < config.max_ticks:
+        _extend_periods(
+            config, periods, spent_kg, period_share_kg, now + 2 * config.horizon_slots * slot_s
+        )
         # Arrivals up to now join at this boundary.
         while next_arrival < len(pending) and pending[next_arrival].submission_s <= now + 1e-9:
             job = pending[next_arrival]
@@ -231,7 +251,7 @@ def simulate_trace(
             if job.deadline_s is not None and config.policy in ADMISSION_CONTROL:
                 decision = admit(
                     _problem(config, clock, states, active, now, periods, spent_kg),
-                    _spec(state, now),
+                    replace(_spec(state, now, config.margin_s), best_effort=config.best_effort),
                     time_limit_s=config.time_limit_s,
                     seed=config.seed,
                     policy=policy,
@@ -327,6 +347,7 @@ def simulate_trace(
         start_s,
         last_activity_s,
         ticks,
+        max(now, last_activity_s),
     )
 
 
@@ -341,11 +362,25 @@ def _budget_periods(
     length = PERIOD_S[config.budget_period]
     count = max(1, math.ceil(span_s / length))
     share = config.budget_kg / count
-    out = [(start_s + i * length, start_s + (i + 1) * length, share) for i in range(count)]
-    # Jobs that overrun the trace's span fall in the last period.
-    last = out[-1]
-    out[-1] = (last[0], math.inf, last[2])
-    return out
+    return [(start_s + i * length, start_s + (i + 1) * length, share) for i in range(count)]
+
+
+def _extend_periods(
+    config: SimulationConfig,
+    periods: list[tuple[float, float, float]],
+    spent: list[float],
+    share_kg: float,
+    until_s: float,
+) -> None:
+    """Past the trace's span each further period gets the same share, so work left over
+    finishes at the same carbon rate instead of stalling on a spent last period."""
+    if not periods or not math.isfinite(periods[-1][1]):
+        return
+    length = PERIOD_S[config.budget_period]
+    while periods[-1][1] < until_s:
+        begin = periods[-1][1]
+        periods.append((begin, begin + length, share_kg))
+        spent.append(0.0)
 
 
 def _charge(
@@ -381,11 +416,17 @@ def _new_state(
     return _JobState(trace=job, tables=tables, seen=seen, remaining_samples=job.total_samples)
 
 
-def _spec(state: _JobState, now: float) -> JobSpec:
+def _spec(state: _JobState, now: float, margin_s: float) -> JobSpec:
     job = state.trace
     deadline = None
     if job.deadline_s is not None and state.guaranteed:
         deadline = job.deadline_s - now
+        # The margin only while the job can still make the earlier deadline at full speed: a
+        # policy that sees a deadline as lost stops favouring the job, so a margin that turned
+        # a just-meetable deadline into a "missed" one would cause the very miss it guards.
+        fastest_s = state.remaining_samples / max(state.seen.throughput_samples_per_s)
+        if deadline - margin_s >= fastest_s:
+            deadline -= margin_s
     return JobSpec(
         job_id=job.job_id,
         allowed_gpus=state.seen.allowed_gpus,
@@ -436,11 +477,13 @@ def _problem(
         slot_s=slot_s,
         capacity_gpus=(config.capacity_gpus,) * slots,
         intensity_g_per_kwh=tuple(intensity),
-        jobs=tuple(_spec(states[j], now) for j in active),
+        jobs=tuple(_spec(states[j], now, config.margin_s) for j in active),
         pue=config.pue,
         budget_periods=budget,
         budget_mode=BudgetMode.HARD if periods else BudgetMode.SOFT,
         carbon_price_s_per_kg=config.carbon_price_s_per_kg,
+        # A change stalls the job for switch_s: that is what it costs in completion time.
+        change_cost_s=max(config.switch_s, 1.0),
     )
 
 
@@ -459,6 +502,7 @@ def _report(
     start_s: float,
     end_s: float,
     ticks: int,
+    stop_s: float,
 ) -> SimulationReport:
     outcomes = []
     for job in jobs:
@@ -487,6 +531,9 @@ def _report(
             )
         )
     jcts = [o.jct_s for o in outcomes if o.jct_s is not None]
+    by_id = {job.job_id: job for job in jobs}
+    left = [o for o in outcomes if o.admitted and o.finish_s is None]
+    jcts_all = jcts + [max(0.0, stop_s - by_id[o.job_id].submission_s) for o in left]
     with_deadline = [o for o in outcomes if o.deadline_met is not None]
     overshoot = [
         max(0.0, spent - share) for (_, _, share), spent in zip(periods, spent_kg, strict=True)
@@ -497,6 +544,7 @@ def _report(
         jobs=len(outcomes),
         admitted=sum(1 for o in outcomes if o.admitted),
         finished=len(jcts),
+        unfinished=len(left),
         deadline_jobs=len(with_deadline),
         deadline_met_ratio=(
             sum(1 for o in with_deadline if o.deadline_met) / len(with_deadline)
@@ -505,6 +553,7 @@ def _report(
         ),
         avg_jct_s=statistics.fmean(jcts) if jcts else None,
         p95_jct_s=_percentile(jcts, 95) if jcts else None,
+        avg_jct_all_s=statistics.fmean(jcts_all) if jcts_all else None,
         energy_kwh=sum(o.energy_kwh for o in outcomes),
         emissions_kg=sum(o.emissions_kg for o in outcomes),
         budget_kg=config.budget_kg,
