@@ -377,7 +377,7 @@ class JobRunner:
         self._switch_waiting.set()
         try:
             with self._lock:
-                return self._switch(
+                report = self._switch(
                     old_layout,
                     new_layout,
                     old,
@@ -389,6 +389,12 @@ class JobRunner:
                 )
         finally:
             self._switch_waiting.clear()
+        if self._driver is None or not self._driver.is_alive():
+            # Not training: free the replaced state now rather than at the next command (a
+            # training driver's next chunk frees it in a thread instead).
+            with self._lock:
+                self._call([(h, "free_retired", {}) for h in self._ranks])
+        return report
 
     def gather_state(self) -> dict[str, torch.Tensor]:
         """Full logical tensors (`param/…`, `exp_avg/…`, `exp_avg_sq/…`) assembled from shards.
@@ -744,7 +750,8 @@ class JobRunner:
                         h,
                         "switch_prepare",
                         {
-                            "plan": plan.part_for(h.worker_id),
+                            # Staged before the pause: the plan need not travel again.
+                            "plan": None,
                             "group_rank": group_rank,
                             "new_layout": new_layout if h.worker_id in new_rank else None,
                             "new_rank": new_rank.get(h.worker_id, -1),

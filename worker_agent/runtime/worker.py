@@ -218,13 +218,19 @@ class Worker:
         }
 
     # ----- training -------------------------------------------------------------------------
+    def free_retired(self, background: bool) -> None:
+        """Drop the state buffers a switch replaced (unmapping takes tens of ms)."""
+        retired, self._retired = self._retired, []
+        if background:
+            threading.Thread(target=retired.clear, name="greenflow-free", daemon=True).start()
+        else:
+            retired.clear()
+
+    def cmd_free_retired(self) -> None:
+        """Free the state buffers the last switch replaced, now (the loop already did)."""
+
     def cmd_train(self, steps: int) -> list[StepStats]:
         """Run `steps` optimizer steps in the current layout."""
-        if self._retired:
-            # The state a switch replaced: unmapping it takes tens of ms with the GIL held, so it
-            # happens here, overlapping training, rather than inside the switch's pause.
-            retired, self._retired = self._retired, []
-            threading.Thread(target=retired.clear, name="greenflow-free", daemon=True).start()
         return [self._train_step() for _ in range(steps)]
 
     def _train_step(self) -> StepStats:
@@ -394,7 +400,7 @@ class Worker:
 
     def cmd_switch_prepare(
         self,
-        plan: SwitchPlan,
+        plan: SwitchPlan | None,
         group_rank: dict[int, int],
         new_layout: Layout | None,
         new_rank: int,
@@ -404,7 +410,7 @@ class Worker:
         """Move state into a new buffer for (new_layout, new_rank); the old one stays intact.
 
         Uses what `switch_stage` prepared for `switch_id` (waiting for it if it is still
-        running); without a staged switch, stages it now.
+        running); without a staged switch, stages `plan` now.
         """
         if self.cfg.fail_at == "switch":
             os._exit(17)
@@ -422,6 +428,8 @@ class Worker:
                 assert staging.result is not None
                 staged = staging.result
             else:
+                if plan is None:
+                    raise RuntimeError(f"switch {switch_id} was not staged on this worker")
                 staged = self._stage(plan, new_layout, new_rank)
             wait_s = time.perf_counter() - t0
             stats = run_switch(staged, self.flat, group_rank)
@@ -449,7 +457,7 @@ class Worker:
             self.buffers.release()
             return None
         grad = self.grad_flat if flat is self.flat else extra.get("grad")
-        # Freed when training resumes (see cmd_train), not in the pause.
+        # Freed after the pause (see worker_main), not in it.
         self._retired += [self.flat, self.params, self.grad_flat]
         self._install(layout, rank, flat, step)
         self.grad_flat = grad
@@ -529,6 +537,10 @@ class Worker:
         self._build_groups()
 
 
+_PAUSE_COMMANDS = frozenset({"switch_commit", "build_groups", "join"})
+"""Commands the runner sends inside a switch's pause."""
+
+
 @dataclass
 class _Staging:
     """A switch being staged in a worker thread."""
@@ -556,6 +568,11 @@ def worker_main(conn: Connection, cfg: WorkerConfig) -> None:
         if cmd == "exit":
             conn.send(("ok", None))
             break
+        if worker._retired and cmd not in _PAUSE_COMMANDS:
+            # The state a switch replaced is freed by the first command after the pause: in a
+            # thread when training resumes (overlapping it), else at once, so that it never
+            # lingers into the next switch (two old copies of the state do not fit in memory).
+            worker.free_retired(background=cmd == "train")
         handler: Callable[..., Any] = getattr(worker, f"cmd_{cmd}")
         try:
             conn.send(("ok", handler(**kwargs)))
