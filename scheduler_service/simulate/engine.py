@@ -237,6 +237,10 @@ def simulate_trace(
     now = start_s
     ticks = 0
     idle_ticks = 0
+    idle_limit = 2 * config.horizon_slots
+    if periods and config.budget_period in PERIOD_S:
+        # A spent daily/weekly budget comes back with the next period: wait for it.
+        idle_limit += math.ceil(PERIOD_S[config.budget_period] / slot_s)
     last_activity_s = start_s
     while ticks < config.max_ticks:
         _extend_periods(
@@ -283,9 +287,10 @@ def simulate_trace(
                 f"policy {config.policy} planned {used} GPUs on a {config.capacity_gpus}-GPU cluster"
             )
         idle_ticks = idle_ticks + 1 if used == 0 else 0
-        if idle_ticks > 2 * config.horizon_slots and next_arrival >= len(pending):
-            # Nothing has run for two horizons and nothing else will arrive (e.g. the budget is
-            # spent for good): stop; the jobs left are reported unfinished.
+        if idle_ticks > idle_limit and next_arrival >= len(pending):
+            # Nothing has run for two horizons (plus a budget period) and nothing else will
+            # arrive (e.g. the budget is spent for good): stop; the jobs left are reported
+            # unfinished.
             break
         # Event-driven like ElasticFlow's simulator: apply slot one until the slot ends, a job
         # arrives or a job finishes, whichever comes first, then re-plan.

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from scheduler_service.allocation.baselines import (
     carbon_agnostic,
     carbon_greedy,
+    lean_edf,
     static_fcfs,
     temporal_shift,
 )
+from scheduler_service.allocation.guarded import greenflow
 from scheduler_service.allocation.problem import AllocationProblem, JobSpec
 
 START = datetime(2022, 6, 1, tzinfo=UTC)
@@ -67,3 +70,24 @@ def test_carbon_agnostic_gives_deadline_jobs_their_minimum_share_first() -> None
     assert plan.gpus["urgent"][0] >= 2
     assert plan.deadline_met == {"urgent": True}
     assert plan.gpus["late"][0] + plan.gpus["urgent"][0] <= 4
+
+
+def test_lean_edf_meets_deadlines_without_filling_spare_gpus() -> None:
+    plan = lean_edf(problem(job("free", 2.0), job("urgent", 3.0, deadline_slots=2.0)))
+    # urgent at its minimum share (2 GPUs); free at its most efficient count, 1 GPU
+    # (300/10 = 30 J per sample against 560/18 = 31.1 J and 1000/30 = 33.3 J).
+    assert plan.gpus["urgent"][0] == 2 and plan.gpus["free"][0] == 1
+    assert plan.deadline_met == {"urgent": True}
+    # ElasticFlow fills the spare GPU instead: more energy for the same deadline.
+    filled = carbon_agnostic(problem(job("free", 2.0), job("urgent", 3.0, deadline_slots=2.0)))
+    assert filled.deadline_met == {"urgent": True} and filled.energy_kwh > plan.energy_kwh
+
+
+def test_greenflow_is_never_worse_than_the_edf_baselines_on_the_objective() -> None:
+    jobs = (job("a", 3.0, deadline_slots=2.0), job("b", 2.0, deadline_slots=3.0), job("c", 4.0))
+    for price in (0.0, 200_000.0):
+        p = replace(problem(*jobs), carbon_price_s_per_kg=price)
+        plan = greenflow(p, previous=None, time_limit_s=5.0, seed=0)
+        assert plan.policy == "greenflow"
+        for baseline in (lean_edf, carbon_agnostic):
+            assert plan.objective <= baseline(p).objective + 1e-6
