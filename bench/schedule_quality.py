@@ -13,8 +13,8 @@ gpu_changes, ...}}, "by_series": {...}, "targets": {...}, "settings": {...}}; "p
 energy/emissions/changes over the series and averages ratios and JCTs; "targets" states each
 target of issue 4, the figure per series and whether it is met on every series.
 Usage:
-    python bench/schedule_quality.py [--data DIR] [--jobs 150] [--cluster 2x8]
-        [--series US-CAL-CISO_2021,ES_2021] [--prices 200000,1000000] [--budget-share 0.5]
+    python bench/schedule_quality.py [--data DIR] [--jobs 100] [--cluster 2x8]
+        [--series US-CAL-CISO_2021,ES_2021] [--prices 200000] [--budget-share 0.5]
 """
 
 from __future__ import annotations
@@ -131,13 +131,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--trace", default="cluster01")
-    parser.add_argument("--jobs", type=int, default=150)
+    parser.add_argument("--jobs", type=int, default=100)
     parser.add_argument("--cluster", default="2x8")
     parser.add_argument("--series", default="US-CAL-CISO_2021,ES_2021")
-    parser.add_argument("--prices", default="200000,1000000")
+    parser.add_argument("--prices", default="200000")
     parser.add_argument("--budget-share", type=float, default=0.5)
     parser.add_argument("--slot-s", type=float, default=900.0)
-    parser.add_argument("--time-limit-s", type=float, default=1.0)
+    parser.add_argument("--time-limit-s", type=float, default=0.5)
     args = parser.parse_args()
     ef = args.data / "elasticflow"
     if not ef.is_dir():

@@ -55,7 +55,8 @@ def report_table(report: SimulationReport) -> Table:
     rows = [
         ("jobs (admitted / finished)", f"{report.jobs} ({report.admitted} / {report.finished})"),
         ("deadline met", f"{report.deadline_met_ratio:.1%} of {report.deadline_jobs}"),
-        ("average JCT", fmt(report.avg_jct_s, " s")),
+        ("average JCT (finished jobs)", fmt(report.avg_jct_s, " s")),
+        ("average JCT (all admitted, unfinished to the end)", fmt(report.avg_jct_all_s, " s")),
         ("p95 JCT", fmt(report.p95_jct_s, " s")),
         ("energy", fmt(report.energy_kwh, " kWh", 2)),
         ("emissions", fmt(report.emissions_kg, " kg CO2e", 3)),
@@ -112,6 +113,20 @@ def simulate(
     switch_s: Annotated[
         float, typer.Option("--switch-s", help="Progress lost per GPU-count change (s).")
     ] = 30.0,
+    deadline_margin_s: Annotated[
+        float | None,
+        typer.Option(
+            "--deadline-margin-s",
+            help="Policies see deadlines this much early while still meetable (default 2 x switch).",
+        ),
+    ] = None,
+    best_effort: Annotated[
+        bool,
+        typer.Option(
+            "--best-effort",
+            help="Run deadline jobs admission cannot guarantee without a guarantee (not rejected).",
+        ),
+    ] = False,
     forecast_error: Annotated[
         float, typer.Option("--forecast-error", help="Relative std of forecast noise.")
     ] = 0.0,
@@ -151,6 +166,8 @@ def simulate(
             budget_period=cast(Literal["day", "week", "run"], budget_period),
             carbon_price_s_per_kg=carbon_price,
             switch_s=switch_s,
+            deadline_margin_s=deadline_margin_s,
+            best_effort=best_effort,
             forecast_error=forecast_error,
             model_error=model_error,
             time_limit_s=time_limit_s,
