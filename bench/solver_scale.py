@@ -21,6 +21,7 @@ timed solve. Figures:
 Usage:
     python bench/solver_scale.py [--data DIR] [--cases 100:256,1000:2048] [--seed 0]
         [--time-limit-s 1.0] [--repeat 3] [--no-warm]
+    python bench/solver_scale.py --mip-check 60:128:12,150:512:12   # integrality gap (slow)
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ from scheduler_service.allocation.problem import (
     AllocationProblem,
     JobSpec,
     PlanArrays,
+    evaluate_gpus,
 )
-from scheduler_service.allocation.solver import solve, solve_lp
+from scheduler_service.allocation.solver import solve, solve_lp, solve_mip, trim_after_finish
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SLOT_S = 1800.0
@@ -193,6 +195,54 @@ def run_case(
     return out
 
 
+def mip_check(
+    num_jobs: int, gpus: int, slots: int, data: Path, seed: int, mip_limit_s: float
+) -> dict[str, object]:
+    """Integrality check on a small case: solve's plan and the exact MIP optimum vs the LP bound.
+
+    Both gaps are taken like `gap` above (deadline-miss terms out, LP misses for the bound).
+    """
+    rng = np.random.default_rng(seed)
+    jobs = make_jobs(num_jobs, min(gpus, 64), data, rng)
+    problem = AllocationProblem(
+        start_at=datetime(2021, 1, 1, tzinfo=UTC),
+        slot_s=SLOT_S,
+        capacity_gpus=(gpus,) * slots,
+        intensity_g_per_kwh=tuple(intensity_day(data)[:slots]),
+        jobs=tuple(jobs),
+    )
+    arrays = PlanArrays(problem)
+    miss_cost = problem.deadline_miss_cost_s()
+    lp = solve_lp(problem, arrays)
+    rest_bound = lp.bound - miss_cost * float(lp.missed.sum())
+
+    def rest_gap(gpus_plan: dict[str, tuple[int, ...]]) -> tuple[float, int]:
+        ev = evaluate_gpus(problem, gpus_plan)
+        misses = sum(1 for ok in ev.deadline_met.values() if not ok)
+        return (ev.objective - miss_cost * misses - rest_bound) / rest_bound, misses
+
+    plan = solve(problem, time_limit_s=1.0, seed=seed, use_lp=False)
+    began = time.perf_counter()
+    mip, _, optimal = solve_mip(problem, arrays, None, mip_limit_s, seed)
+    mip_s = time.perf_counter() - began
+    heuristic_gap, heuristic_misses = rest_gap(plan.gpus)
+    out: dict[str, object] = {
+        "jobs": num_jobs,
+        "slots": slots,
+        "gpus": gpus,
+        "lp_deadline_misses": round(float(lp.missed.sum()), 2),
+        "heuristic_gap": round(heuristic_gap, 5),
+        "heuristic_misses": heuristic_misses,
+        "mip_s": round(mip_s, 2),
+        "mip_optimal": optimal,  # within HiGHS' mip_rel_gap (1e-4)
+    }
+    if mip is not None:
+        mip_gap, mip_misses = rest_gap(trim_after_finish(problem, mip))
+        out["mip_gap"] = round(mip_gap, 5)
+        out["mip_misses"] = mip_misses
+    return out
+
+
 def main() -> None:
     """Parse options, run every case, print JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -202,7 +252,21 @@ def main() -> None:
     parser.add_argument("--time-limit-s", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-warm", action="store_true")
+    parser.add_argument(
+        "--mip-check",
+        default="",
+        help="JOBS:GPUS:SLOTS,... small cases where the exact MIP is solved too (integrality gap)",
+    )
+    parser.add_argument("--mip-limit-s", type=float, default=300.0)
     args = parser.parse_args()
+    if args.mip_check:
+        checks = []
+        for spec in args.mip_check.split(","):
+            jobs, gpus, slots = (int(x) for x in spec.split(":"))
+            checks.append(mip_check(jobs, gpus, slots, args.data, args.seed, args.mip_limit_s))
+            print(json.dumps(checks[-1]), file=sys.stderr)
+        print(json.dumps({"mip_checks": checks}, indent=2))
+        return
     cases = []
     for spec in args.cases.split(","):
         jobs, gpus = (int(x) for x in spec.split(":"))
