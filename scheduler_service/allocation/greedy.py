@@ -167,6 +167,7 @@ def greedy_plan(
     prefer: np.ndarray | None = None,
     finish_slots: np.ndarray | None = None,
     reserved: np.ndarray | None = None,
+    chase: bool = False,
 ) -> np.ndarray:
     """Option index per job and slot (-1 = off) from reservations + per-slot GPU pricing.
 
@@ -176,6 +177,8 @@ def greedy_plan(
     work then is valued by the slots it saves before that finish instead of before the horizon's
     end, which stops the greedy from overfeeding jobs that finish soon anyway.
     `reserved`: a `best_reservation` to reuse across rounds (computed when None).
+    `chase`: deadline jobs that can meet their deadline alone but got no reservation are valued
+    at the miss weight per unit of the work their deadline needs, so spare GPUs go to them first.
     """
     num_jobs, num_slots = arrays.num_jobs, problem.num_slots
     slot_s = problem.slot_s
@@ -209,6 +212,12 @@ def greedy_plan(
     plan = np.full((num_jobs, num_slots), -1, dtype=np.int64)
     k_idx = np.arange(arrays.num_options)[None, :]
     reserve_kg = budget_reserve(problem, state)
+    chase_weight = None
+    if chase:
+        unreserved = protect & ~has_res & (need > 0)
+        chase_weight = np.where(
+            unreserved, problem.deadline_miss_cost_s() / np.maximum(need, 1e-12), 0.0
+        )
     for t in range(num_slots):
         left = arrays.remaining - done
         active = left > arrays.remaining * 1e-9
@@ -218,6 +227,9 @@ def greedy_plan(
             # Work done now instead of at the job's expected finish saves the slots between.
             worth = value_per_sample * slot_s * np.maximum(finish_slots - t, 1.0)
         value = worth[:, None] * np.minimum(thr * slot_s, left[:, None])
+        if chase_weight is not None:
+            before = np.minimum(thr * dur[:, t][:, None], np.maximum(need - done, 0.0)[:, None])
+            value += chase_weight[:, None] * before
         if price > 0:
             value -= price * power * state.kg_per_w[t]
         # Keeping the count of the slot before saves one change.
