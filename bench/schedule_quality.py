@@ -14,7 +14,7 @@ energy/emissions/changes over the series and averages ratios and JCTs; "targets"
 target of issue 4, the figure per series and whether it is met on every series.
 Usage:
     python bench/schedule_quality.py [--data DIR] [--jobs 100] [--cluster 2x8]
-        [--series US-CAL-CISO_2021,ES_2021] [--prices 200000] [--budget-share 0.5]
+        [--series US-CAL-CISO_2021,ES_2021] [--prices 200000] [--budget-share 0.5] [--horizon-slots 96]
 """
 
 from __future__ import annotations
@@ -137,6 +137,10 @@ def main() -> None:
     parser.add_argument("--prices", default="200000")
     parser.add_argument("--budget-share", type=float, default=0.5)
     parser.add_argument("--slot-s", type=float, default=900.0)
+    # 96 x 900 s = 24 h: the planner sees a whole daily budget period (with 48 slots it saw half
+    # a day and spent the day's budget without knowing the cleaner hours after; measured 1.25x
+    # vs 1.44x JCT against the capped baseline on CAISO).
+    parser.add_argument("--horizon-slots", type=int, default=96)
     parser.add_argument("--time-limit-s", type=float, default=0.5)
     args = parser.parse_args()
     ef = args.data / "elasticflow"
@@ -165,6 +169,7 @@ def main() -> None:
                 num_nodes=nodes,
                 gpus_per_node=per_node,
                 slot_s=args.slot_s,
+                horizon_slots=args.horizon_slots,
                 time_limit_s=args.time_limit_s,
                 **extra,
             )
@@ -220,6 +225,7 @@ def main() -> None:
         "cluster": args.cluster,
         "series": args.series.split(","),
         "slot_s": args.slot_s,
+        "horizon_slots": args.horizon_slots,
         "prices_s_per_kg": prices,
         "budget_share": args.budget_share,
         "budget_period": "day",
