@@ -123,3 +123,24 @@ def test_periodic_snapshot_is_the_fallback_and_costs_the_switch_nothing() -> Non
         assert run.layout == Layout(tp=2) and run.step_progress().step == 3
         _assert_state_equal(at_3, run.gather_state())
         assert run.train(1)[0][0] == 3
+
+
+def test_worker_dying_while_staging_rolls_back_before_anything_moved() -> None:
+    # Staging runs before the pause; a worker lost there is met by the paused part of the switch
+    # (its commands fail), which rolls back and rebuilds the replica from its peer.
+    with JobRunner(snapshot_policy="none") as run, JobRunner(snapshot_policy="none") as ref:
+        run.start(SPEC, 2, Layout(dp=2))
+        ref.start(SPEC, 2, Layout(dp=2))
+        run.train(1)
+        ref.train(1)
+        before = run.gather_state()
+        pids = run.worker_pids()
+        run.arm_fault(rank=1, mode="stage")
+        with pytest.raises(SwitchFailed) as info:
+            run.resize(4, Layout(dp=2, tp=2))
+        assert info.value.recovered_from == "replicas"
+        assert run.layout == Layout(dp=2) and run.worker_pids()[0] == pids[0]
+        _assert_state_equal(before, run.gather_state())
+        assert run.train(1) == ref.train(1)
+        report = run.resize(4, Layout(dp=2, tp=2))
+        assert report.ok and report.bytes_moved == report.bytes_lower_bound

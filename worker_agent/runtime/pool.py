@@ -417,8 +417,9 @@ class JobRunner:
                 mask[start:end] = True
         return out
 
-    def arm_fault(self, rank: int, mode: Literal["switch", "transfer"] = "switch") -> None:
-        """Test hook: the worker at `rank` exits (`switch`) or raises (`transfer`) in the next switch."""
+    def arm_fault(self, rank: int, mode: Literal["switch", "transfer", "stage"] = "switch") -> None:
+        """Test hook: in the next switch the worker at `rank` exits in the pause (`switch`),
+        raises in its transfer (`transfer`), or exits while staging before the pause (`stage`)."""
         self._call([(self._ranks[rank], "arm_fault", {"mode": mode})])
 
     def stop(self) -> None:
@@ -738,6 +739,11 @@ class JobRunner:
         transfer_s = regroup_s = 0.0
         stats: list[ExecStats] = []
         try:
+            gone = frozenset(h.worker_id for h in union if not h.proc.is_alive())
+            if gone:
+                # Lost while staging: roll back now rather than wait for a rendezvous (or a
+                # transfer) with a dead process to time out.
+                raise WorkerFailed(f"workers {sorted(gone)} died while staging the switch", gone)
             t0 = time.perf_counter()
             if added:
                 self._join(union)

@@ -51,7 +51,8 @@ class WorkerConfig:
     direct_min_run_bytes: int | None = None
     """Switch messages: runs at least this large go unpacked (None: the executor's default)."""
     fail_at: str | None = None
-    """Test hook: `"switch"` exits abruptly, `"transfer"` raises, inside the next switch."""
+    """Test hook, next switch: `"switch"` exits abruptly in the pause, `"transfer"` raises,
+    `"stage"` exits abruptly while staging (before the pause)."""
     shared_state: bool = False
     """Keep the flat state buffer in shared memory that the runner maps too (CPU only), so a
     worker's state outlives its process without a snapshot copy."""
@@ -112,14 +113,21 @@ class Worker:
         self.tp = TensorParallel()
         self.dp_group = None
         store = dist.PrefixStore(f"gen{generation}", self.store)
-        dist.init_process_group(
-            self.cfg.backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=self.cfg.timeout_s),
-            device_id=self.device if self.device.type == "cuda" else None,
-        )
+        try:
+            dist.init_process_group(
+                self.cfg.backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=self.cfg.timeout_s),
+                device_id=self.device if self.device.type == "cuda" else None,
+            )
+        except Exception:
+            # A failed init (a peer died) leaves torch's group counter advanced, so this worker
+            # would name its next generation's groups differently from a fresh replacement and
+            # the rollback's rendezvous would hang; reset it as destroy_process_group() does.
+            dist.distributed_c10d._world.group_count = 0
+            raise
         dist.barrier()
 
     def _build_groups(self) -> None:
@@ -355,6 +363,8 @@ class Worker:
         prebuild_groups: bool = False,
     ) -> None:
         """Start staging a switch in a thread (training goes on); sets `done_key` when done."""
+        if self.cfg.fail_at == "stage":
+            os._exit(17)
         self.cmd_switch_abort()
         staging = _Staging(switch_id)
 
@@ -529,7 +539,7 @@ class Worker:
         return times[len(times) // 2]
 
     def cmd_arm_fault(self, mode: str) -> None:
-        """Test hook: in the next switch, exit abruptly (`switch`) or raise (`transfer`)."""
+        """Test hook: in the next switch, exit (`switch`, `stage`) or raise (`transfer`)."""
         self.cfg = dataclasses.replace(self.cfg, fail_at=mode)
 
     def cmd_build_groups(self) -> None:
