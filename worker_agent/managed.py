@@ -168,7 +168,7 @@ class ManagedJob:
     # ----- commands (caller holds self.lock) ------------------------------------------------
     def start(self, slots: list[int]) -> None:
         """Start from the pause snapshot (state paused), else the newest checkpoint, else fresh."""
-        runner = JobRunner(snapshot_policy="before_switch", backend=self.backend)
+        runner = JobRunner(snapshot_policy="auto", backend=self.backend)
         gpu_slots = [GpuSlot(self.node, i) for i in slots]
         stored = None
         if self.paused is None and self.checkpoints is not None:
