@@ -300,6 +300,9 @@ def test_job_finishing_by_itself_reports_finished(node: Node) -> None:
     assert final.step == 20 and final.samples_done == 160
     assert node.fake.job_samples(2)[-1].finished
     wait_gone(pids)
+    # The final sample is cut before the workers are released; the job's status follows once
+    # the runner has reaped them (a moment after the processes are gone).
+    node.fake.wait_for(lambda: node.job(2).finished, timeout_s=30)
     job = node.job(2)
     assert job.finished and job.gpus == 0 and job.worker_pids == []
 
