@@ -24,6 +24,7 @@ from scheduler_service.allocation.problem import (
     AllocationProblem,
     PlanArrays,
     make_plan,
+    plan_arrays,
 )
 from scheduler_service.allocation.solver import SlotState, fit_slot, trim_after_finish
 
@@ -64,7 +65,7 @@ def _edf_min_share(problem: AllocationProblem, *, fill: bool) -> np.ndarray:
     With `fill`, spare GPUs go to the best marginal throughput (ElasticFlow); without, jobs
     without a deadline run at their most energy-efficient count (fewest joules per sample).
     """
-    arrays = PlanArrays(problem)
+    arrays = plan_arrays(problem)
     state = SlotState(problem, arrays)
     n, num_slots = arrays.num_jobs, problem.num_slots
     deadline = _deadlines(problem)
@@ -125,7 +126,7 @@ def static_fcfs(
 ) -> AllocationPlan:
     """Static allocation: first come first served, each job at its largest allowed count."""
     started = time.perf_counter()
-    arrays = PlanArrays(problem)
+    arrays = plan_arrays(problem)
     state = SlotState(problem, arrays)
     n, num_slots = arrays.num_jobs, problem.num_slots
     done = np.zeros(n)
@@ -173,7 +174,7 @@ def carbon_greedy(
 ) -> AllocationPlan:
     """CarbonScaler-style: buy GPU increments in order of marginal work per gram, per job."""
     started = time.perf_counter()
-    arrays = PlanArrays(problem)
+    arrays = plan_arrays(problem)
     n, num_slots = arrays.num_jobs, problem.num_slots
     kg_per_w = problem.slot_emissions_kg_per_w()
     deadline = _deadlines(problem)
@@ -229,7 +230,7 @@ def temporal_shift(
 ) -> AllocationPlan:
     """Temporal shifting only: one fixed count, started in the cleanest window meeting the deadline."""
     started = time.perf_counter()
-    arrays = PlanArrays(problem)
+    arrays = plan_arrays(problem)
     n, num_slots = arrays.num_jobs, problem.num_slots
     intensity = np.asarray(problem.intensity_g_per_kwh, dtype=float)
     deadline = _deadlines(problem)
