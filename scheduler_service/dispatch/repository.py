@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from collections.abc import Collection
+
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from scheduler_service.db.models import Allocation, Plan
+from scheduler_service.db.models import Allocation, Job, Plan
 
 
 class AllocationRepository:
@@ -38,12 +40,34 @@ class AllocationRepository:
             .limit(1)
         )
 
-    def next_generation(self, job_id: int) -> int:
-        """One more than the highest generation issued for the job."""
-        top = self.session.scalar(
-            select(func.max(Allocation.generation)).where(Allocation.job_id == job_id)
+    def newest_by_job(
+        self, job_ids: Collection[int] | None = None, *, acked: bool = False
+    ) -> dict[int, Allocation]:
+        """The newest command (or newest acknowledged one) of each job, in one query."""
+        return {a.job_id: a for a in self.session.scalars(self._newest(job_ids, acked=acked))}
+
+    def newest_running_of_jobs_in(self, states: Collection[str]) -> list[Allocation]:
+        """Newest commands that give GPUs to jobs in `states` (e.g. finished jobs still running)."""
+        stmt = (
+            self._newest(None, acked=False)
+            .join(Job, Job.id == Allocation.job_id)
+            .where(Job.state.in_(list(states)), Allocation.gpus > 0)
+            .order_by(Allocation.job_id)
         )
-        return int(top or 0) + 1
+        return list(self.session.scalars(stmt))
+
+    @staticmethod
+    def _newest(job_ids: Collection[int] | None, *, acked: bool) -> Select[Allocation]:
+        top = select(Allocation.job_id, func.max(Allocation.generation).label("generation"))
+        if acked:
+            top = top.where(Allocation.status == "acked")
+        if job_ids is not None:
+            top = top.where(Allocation.job_id.in_(list(job_ids)))
+        newest = top.group_by(Allocation.job_id).subquery()
+        return select(Allocation).join(
+            newest,
+            (Allocation.job_id == newest.c.job_id) & (Allocation.generation == newest.c.generation),
+        )
 
     def unacknowledged(self) -> list[Allocation]:
         """Commands still to deliver (pending or failed delivery), oldest first."""

@@ -37,14 +37,11 @@ class Delivery:
 
 
 def _current_placements(session: Session, job_ids: list[int]) -> dict[int, Placement]:
-    nodes = NodeRepository(session)
     out: dict[int, Placement] = {}
-    for job_id in job_ids:
-        slots = nodes.slots_of_job(job_id)
-        if slots:
-            out[job_id] = Placement(
-                slots[0].node_id, tuple(s.index for s in slots if s.node_id == slots[0].node_id)
-            )
+    for job_id, slots in NodeRepository(session).slots_of_jobs(job_ids).items():
+        out[job_id] = Placement(
+            slots[0].node_id, tuple(s.index for s in slots if s.node_id == slots[0].node_id)
+        )
     return out
 
 
@@ -52,14 +49,12 @@ def _pause_homes(
     allocations: AllocationRepository, job_ids: list[int], current: dict[int, Placement]
 ) -> dict[int, int]:
     """Node of each paused job's acknowledged pause: its agent holds the job's state in memory."""
-    homes: dict[int, int] = {}
-    for job_id in job_ids:
-        if job_id in current:
-            continue
-        last = allocations.latest_acked(job_id)
-        if last is not None and last.gpus == 0 and last.node_id is not None:
-            homes[job_id] = last.node_id
-    return homes
+    unplaced = [job_id for job_id in job_ids if job_id not in current]
+    return {
+        job_id: last.node_id
+        for job_id, last in allocations.newest_by_job(unplaced, acked=True).items()
+        if last.gpus == 0 and last.node_id is not None
+    }
 
 
 def _why_not_now(plan: AllocationPlan, job_id: str, budget_left_kg: float) -> str:
@@ -107,9 +102,11 @@ def stop_finished_jobs(session: Session) -> None:
     """Queue a stop command for every terminal job an agent may still be running."""
     allocations = AllocationRepository(session)
     nodes = NodeRepository(session)
-    for job in JobRepository(session).in_states([s.value for s in TERMINAL_STATES]):
-        last = allocations.latest(job.id)
-        if last is None or last.gpus == 0:
+    jobs = JobRepository(session)
+    # One query, not one per finished job: finished jobs pile up over the service's life.
+    for last in allocations.newest_running_of_jobs_in([s.value for s in TERMINAL_STATES]):
+        job = jobs.get(last.job_id)
+        if job is None:
             continue
         nodes.release_job(job.id)
         job.current_gpus = 0
@@ -157,12 +154,13 @@ def decide(session: Session, planning: PlanningInput, plan: AllocationPlan, now:
     )
     jobs_repo = JobRepository(session)
     node_repo = NodeRepository(session)
+    newest = allocations.newest_by_job(job_ids)
     changed = 0
     for job_id in order:
         job = planning.jobs[str(job_id)]
         new = placements[job_id]
         old = current.get(job_id, Placement(None, ()))
-        last = allocations.latest(job_id)
+        last = newest.get(job_id)
         in_flight = last is not None and last.status in ("pending", "unreachable")
         if new == old and not (in_flight and last is not None and (last.gpus != new.gpus)):
             _note_waiting(jobs_repo, job, plan, str(job_id), new, budget_left)
@@ -178,7 +176,7 @@ def decide(session: Session, planning: PlanningInput, plan: AllocationPlan, now:
         allocations.add(
             Allocation(
                 job_id=job_id,
-                generation=allocations.next_generation(job_id),
+                generation=last.generation + 1 if last is not None else 1,
                 node_id=new.node_id if new.node_id is not None else old.node_id,
                 gpus=new.gpus,
                 slot_indices=list(new.slot_indices),

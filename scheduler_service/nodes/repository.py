@@ -63,12 +63,18 @@ class NodeRepository:
         )
         return list(self.session.scalars(stmt))
 
-    def slots_of_job(self, job_id: int) -> list[GpuSlot]:
-        """The slots a job holds, by node and index."""
+    def slots_of_jobs(self, job_ids: list[int]) -> dict[int, list[GpuSlot]]:
+        """The slots each of these jobs holds, by node and index, in one query."""
         stmt = (
-            select(GpuSlot).where(GpuSlot.job_id == job_id).order_by(GpuSlot.node_id, GpuSlot.index)
+            select(GpuSlot)
+            .where(GpuSlot.job_id.in_(job_ids))
+            .order_by(GpuSlot.node_id, GpuSlot.index)
         )
-        return list(self.session.scalars(stmt))
+        out: dict[int, list[GpuSlot]] = {}
+        for slot in self.session.scalars(stmt):
+            assert slot.job_id is not None
+            out.setdefault(slot.job_id, []).append(slot)
+        return out
 
     def release_job(self, job_id: int) -> None:
         """Free every slot a job holds."""
