@@ -108,6 +108,8 @@ class _JobState:
     started: bool = False
     finish_s: float | None = None
     changes: int = 0
+    # What is left of a hot switch cut short by an event (an arrival or a completion).
+    stall_s: float = 0.0
     energy_kwh: float = 0.0
     emissions_kg: float = 0.0
     reject_reason: str = ""
@@ -294,27 +296,28 @@ def simulate_trace(
             break
         # Event-driven like ElasticFlow's simulator: apply slot one until the slot ends, a job
         # arrives or a job finishes, whichever comes first, then re-plan.
-        moves: dict[str, tuple[int, float]] = {}
+        moves: dict[str, tuple[int, float, bool]] = {}
         step_s = slot_s
         if next_arrival < len(pending):
             step_s = min(step_s, max(pending[next_arrival].submission_s - now, 1.0))
         for job_id in active:
             state = states[job_id]
             gpus = plan.gpus[job_id][0]
-            switch = 0.0
-            if gpus != state.current_gpus and gpus > 0 and state.started:
-                switch = config.switch_s
-            moves[job_id] = (gpus, switch)
+            changed = gpus != state.current_gpus and gpus > 0 and state.started
+            # A switch cut short by an event still owes the rest of its stall at the next one.
+            switch = config.switch_s if changed else (state.stall_s if gpus > 0 else 0.0)
+            moves[job_id] = (gpus, switch, changed)
             if gpus > 0:
                 rate = state.tables.throughput_samples_per_s[state.tables.allowed_gpus.index(gpus)]
                 step_s = min(step_s, switch + state.remaining_samples / rate)
         step_s = max(step_s, 1e-3)
         for job_id in list(active):
             state = states[job_id]
-            gpus, switch = moves[job_id]
-            if switch > 0:
+            gpus, switch, changed = moves[job_id]
+            if changed:
                 state.changes += 1
             state.current_gpus = gpus
+            state.stall_s = max(0.0, switch - step_s) if gpus > 0 else 0.0
             if gpus == 0:
                 continue
             state.started = True
