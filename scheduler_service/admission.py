@@ -8,6 +8,7 @@ from sqlalchemy.orm import Session
 
 from energy_model.carbon.forecast import CarbonForecast, ForecastPoint, PointKind, Signal
 from energy_model.job_model import prior_job_model
+from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import InvalidProblem, JobSpec, allowed_gpu_counts
 from scheduler_service.allocation.solver import AdmissionDecision, admit
 from scheduler_service.carbon.repository import CarbonRepository
@@ -88,6 +89,11 @@ def check_admission(
         priority=float(request.priority + 1),
         best_effort=request.best_effort,
     )
+    # The same policy as the control loop: admission promises what the loop will then plan.
     return admit(
-        planning.problem, new_job, time_limit_s=ADMISSION_TIME_LIMIT_S, seed=config.planner.seed
+        planning.problem,
+        new_job,
+        time_limit_s=ADMISSION_TIME_LIMIT_S,
+        seed=config.planner.seed,
+        policy=get_policy(config.planner.policy),
     )

@@ -60,14 +60,14 @@ class ControlLoop:
         config: GreenflowConfig,
         session_factory: sessionmaker[Session],
         engine: Engine,
-        policy: str = "greenflow",
+        policy: str | None = None,
         carbon: ResilientCarbonSource | None = None,
     ) -> None:
         self.config = config
         self.session_factory = session_factory
         self.carbon = carbon or make_carbon_source(config.carbon)
-        self.policy_name = policy
-        self.policy = get_policy(policy)
+        self.policy_name = policy or config.planner.policy
+        self.policy = get_policy(self.policy_name)
         self.models = JobModels()
         self.previous: AllocationPlan | None = None
         self.agents = AgentClient()

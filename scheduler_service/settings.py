@@ -70,6 +70,9 @@ class CarbonConfig(BaseModel):
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
+PolicyName = Literal["greenflow", "carbon-agnostic", "static", "carbon-greedy", "shift"]
+
+
 class PlannerConfig(BaseModel):
     """Slot length and horizon of the allocation plan."""
 
@@ -78,6 +81,8 @@ class PlannerConfig(BaseModel):
     slot_s: Annotated[int, Field(ge=1, le=86_400)] = 300
     horizon_s: Annotated[int, Field(ge=60, le=14 * 86_400)] = 86_400
     solver_time_limit_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    # The allocation policy the control loop and admission both use (names of POLICIES).
+    policy: PolicyName = "greenflow"
     seed: int = 0
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.api.conftest import make_tokens
 from tests.support.processes import free_port, run_cli, running
@@ -124,3 +125,18 @@ def test_the_example_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[2] / "greenflow.toml"
     config = load_config(example)
     assert config.budget.enforcement in {"hard", "soft"}
+
+
+def test_planner_policy_names_the_registered_policies(tmp_path: Path) -> None:
+    from typing import get_args
+
+    from scheduler_service.allocation.policies import POLICIES
+    from scheduler_service.settings import ConfigError, PolicyName, load_config
+
+    assert set(get_args(PolicyName)) == set(POLICIES)
+    config = tmp_path / "greenflow.toml"
+    config.write_text('[planner]\npolicy = "carbon-agnostic"\n')
+    assert load_config(config).planner.policy == "carbon-agnostic"
+    config.write_text('[planner]\npolicy = "fastest"\n')
+    with pytest.raises(ConfigError, match=r"planner\.policy"):
+        load_config(config)
