@@ -10,11 +10,13 @@ step; every other element agrees to ~1e-7.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 
 from worker_agent.runtime.layout import Layout
-from worker_agent.runtime.pool import JobRunner, SwitchReport
+from worker_agent.runtime.pool import GpuSlot, JobRunner, SwitchReport
 from worker_agent.runtime.presets import JobSpec, OptimizerSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -32,10 +34,16 @@ def _reference(
 
 
 def _run_chain(
-    spec: JobSpec, chain: list[tuple[int, Layout]], direct_min_run_bytes: int | None = None
+    spec: JobSpec,
+    chain: list[tuple[int, Layout]] | list[tuple[list[GpuSlot], Layout]],
+    direct_min_run_bytes: int | None = None,
+    snapshot_policy: Literal["auto", "none"] = "none",
 ) -> tuple[list[float], dict[str, torch.Tensor], list[SwitchReport]]:
+    """Train, switch along `chain`, train; with policy `none` every byte moves as a message."""
     reports: list[SwitchReport] = []
-    with JobRunner(snapshot_policy="none", direct_min_run_bytes=direct_min_run_bytes) as run:
+    with JobRunner(
+        snapshot_policy=snapshot_policy, direct_min_run_bytes=direct_min_run_bytes
+    ) as run:
         gpus, layout = chain[0]
         run.start(spec, gpus, layout)
         losses = [loss for _, loss in run.train(STEPS)]
@@ -52,6 +60,8 @@ def _run_chain(
                     f"{name} changed in {report.src}->{layout}"
                 )
             assert report.bytes_moved == report.bytes_lower_bound
+            if snapshot_policy == "none":  # private state: nothing can be pulled
+                assert report.bytes_pulled == 0
             # Workers on slots that stay keep their process.
             for slot, pid in zip(run.slots(), run.worker_pids(), strict=True):
                 if slot in pid_of_slot:
@@ -112,3 +122,24 @@ def test_mlp_and_bert_switches_match_unswitched_runs() -> None:
     losses, state, _ = _run_chain(bert, chain, direct_min_run_bytes=0)
     ref_losses, ref_state = _reference(bert, 2, Layout(pp=2), len(losses))
     _assert_same_trajectory(bert, losses, state, ref_losses, ref_state)
+
+
+def test_shared_memory_pulls_and_messages_mix_across_nodes() -> None:
+    """Default policy: same-node pairs copy out of the sender's shared state, others send."""
+    spec = JobSpec(preset="gpt", n_layers=2, d_model=32, n_heads=4)
+    a0, a1, b0, b1 = GpuSlot("a", 0), GpuSlot("a", 1), GpuSlot("b", 0), GpuSlot("b", 1)
+    chain = [
+        ([a0, a1], Layout(tp=2)),
+        ([a0, a1], Layout(pp=2)),  # one node: every byte pulled, no message
+        ([a0, a1, b0, b1], Layout(tp=2, pp=2)),  # grow: only node b receives (messages)
+        ([a0, b0], Layout(dp=2)),  # shrink across nodes: pulls and messages
+        ([a0, a1], Layout(tp=2)),  # a1 is a new worker on a0's node: pulls only
+    ]
+    losses, state, reports = _run_chain(spec, chain, snapshot_policy="auto")
+    ref_losses, ref_state = _reference(spec, 2, Layout(tp=2), len(losses))
+    _assert_same_trajectory(spec, losses, state, ref_losses, ref_state)
+    to_pp, grow, shrink, back = reports
+    for r in (to_pp, back):
+        assert r.bytes_moved > 0 and r.bytes_pulled == r.bytes_moved and r.messages == 0
+    assert grow.bytes_moved > 0 and grow.bytes_pulled == 0 and grow.messages > 0
+    assert 0 < shrink.bytes_pulled < shrink.bytes_moved and shrink.messages > 0

@@ -72,6 +72,11 @@ class SwitchReport:
     """Slowest worker's staging still unfinished when the pause began (part of switch_s)."""
     pair_bytes: list[tuple[int, int, int]] = field(default_factory=list)
     """(sender, receiver, bytes) per worker pair, ranks as in the transfer group."""
+    bytes_pulled: int = 0
+    """Part of bytes_moved that receivers copied out of their senders' shared-memory state
+    (same node, CPU; no message); the rest travelled as p2p messages."""
+    messages: int = 0
+    """p2p messages posted, all workers together (a send and its receive count twice)."""
     workers_started: list[int] = field(default_factory=list)
     workers_released: list[int] = field(default_factory=list)
     error: str | None = None
@@ -135,6 +140,7 @@ class JobRunner:
         store_host: str = "127.0.0.1",
         direct_min_run_bytes: int | None = None,
         snapshot_every_steps: int = 50,
+        transport: Literal["auto", "p2p"] = "auto",
     ) -> None:
         """Snapshot policies (what a switch can fall back to when a unique holder dies):
 
@@ -143,10 +149,16 @@ class JobRunner:
         memory every `snapshot_every_steps` steps, between training chunks (never in a switch).
         `before_switch`: the state at the switch (shared memory on CPU; on GPUs a copy taken in
         the pause). `periodic`: the GPU behaviour of `auto` everywhere. `none`: nothing.
+
+        `transport="auto"`: where a switch's sender and receiver are on one node and the
+        sender's state is in shared memory (CPU with `auto`/`before_switch`), the receiver
+        copies straight out of the sender's buffer; every other pair (and all with `"p2p"`)
+        exchanges batched p2p messages.
         """
         self.snapshot_policy = snapshot_policy
         self.direct_min_run_bytes = direct_min_run_bytes
         self.snapshot_every_steps = snapshot_every_steps
+        self.transport = transport
         self.timeout_s = timeout_s
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         # GPU memory dies with its process, so only CPU state can be shared with the runner.
@@ -652,6 +664,7 @@ class JobRunner:
         assert self._store is not None
         new_rank = {h.worker_id: r for r, h in enumerate(target)}
         keys = {h.worker_id: f"stage/{self._switch_id}/{h.worker_id}" for h in [*old, *added]}
+        pulls = self._pull_pairs(plan, [*old, *added])
 
         def calls(hs: list[_Handle]) -> list[tuple[_Handle, str, dict[str, Any]]]:
             return [
@@ -665,6 +678,8 @@ class JobRunner:
                         "new_rank": new_rank.get(h.worker_id, -1),
                         "done_key": keys[h.worker_id],
                         "prebuild_groups": self._prebuild_groups(old, target, [], added),
+                        "peer_flats": {s: self._live[s][0] for s, d in pulls if d == h.worker_id},
+                        "pull_pairs": frozenset(p for p in pulls if h.worker_id in p),
                     },
                 )
                 for h in hs
@@ -680,6 +695,17 @@ class JobRunner:
             if time.monotonic() > deadline or not all(h.proc.is_alive() for h in handles):
                 return
             time.sleep(0.002)
+
+    def _pull_pairs(self, plan: SwitchPlan, handles: list[_Handle]) -> frozenset[tuple[int, int]]:
+        """(sender, receiver) pairs where the receiver copies out of the sender's shared state."""
+        if self.transport != "auto" or not self._shared_state:
+            return frozenset()
+        node = {h.worker_id: h.slot.node for h in handles}
+        return frozenset(
+            (t.src, t.dst)
+            for t in plan.transfers
+            if t.src in self._live and node.get(t.src) == node.get(t.dst)
+        )
 
     @staticmethod
     def _prebuild_groups(
@@ -875,6 +901,8 @@ class JobRunner:
             stage_s=stage_s,
             stage_wait_s=max((s.stage_wait_s for s in stats), default=0.0),
             pair_bytes=pair_bytes,
+            bytes_pulled=sum(s.bytes_pulled for s in stats),
+            messages=sum(s.messages for s in stats),
             workers_started=[h.pid for h in added],
             workers_released=[h.pid for h in leaving],
             error=error,

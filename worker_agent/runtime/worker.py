@@ -361,8 +361,14 @@ class Worker:
         new_rank: int,
         done_key: str,
         prebuild_groups: bool = False,
+        peer_flats: dict[int, torch.Tensor] | None = None,
+        pull_pairs: frozenset[tuple[int, int]] = frozenset(),
     ) -> None:
-        """Start staging a switch in a thread (training goes on); sets `done_key` when done."""
+        """Start staging a switch in a thread (training goes on); sets `done_key` when done.
+
+        `pull_pairs` (sender, receiver) move no message: the receiver copies out of the
+        sender's shared-memory state buffer, which `peer_flats` maps here (see execute.py).
+        """
         if self.cfg.fail_at == "stage":
             os._exit(17)
         self.cmd_switch_abort()
@@ -372,7 +378,7 @@ class Worker:
             try:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)
-                staging.result = self._stage(plan, new_layout, new_rank)
+                staging.result = self._stage(plan, new_layout, new_rank, peer_flats, pull_pairs)
                 if prebuild_groups and new_layout is not None:
                     # Same process group before and after (same workers, same ranks): the new
                     # layout's sub-groups can form now instead of in the pause. Every rank does
@@ -389,7 +395,14 @@ class Worker:
         self._staging = staging
         staging.thread.start()
 
-    def _stage(self, plan: SwitchPlan, new_layout: Layout | None, new_rank: int) -> StagedSwitch:
+    def _stage(
+        self,
+        plan: SwitchPlan,
+        new_layout: Layout | None,
+        new_rank: int,
+        peer_flats: dict[int, torch.Tensor] | None = None,
+        pull_pairs: frozenset[tuple[int, int]] = frozenset(),
+    ) -> StagedSwitch:
         new_numel = None
         if new_layout is not None:
             new_numel = shard_map(self.specs, self.n_blocks, new_layout, new_rank).n_state_elems
@@ -401,6 +414,8 @@ class Worker:
             self.buffers,
             alloc=self._alloc_state,
             direct_min_run_bytes=self.cfg.direct_min_run_bytes,
+            peer_flats=peer_flats,
+            pull_pairs=pull_pairs,
         )
         if new_numel is not None and not staged.identity:
             # The new layout's gradient buffer too, so the first step after the switch does not
@@ -442,7 +457,11 @@ class Worker:
                     raise RuntimeError(f"switch {switch_id} was not staged on this worker")
                 staged = self._stage(plan, new_layout, new_rank)
             wait_s = time.perf_counter() - t0
-            stats = run_switch(staged, self.flat, group_rank)
+            try:
+                stats = run_switch(staged, self.flat, group_rank)
+            finally:
+                # Unmap the peers' old buffers now: they are freed once the switch is over.
+                staged.peer_flats.clear()
             stats.stage_wait_s = wait_s
         except Exception:
             # Leave the group at once so peers blocked on our messages fail now, not at timeout;
