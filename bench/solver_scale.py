@@ -223,7 +223,7 @@ def mip_check(
 
     plan = solve(problem, time_limit_s=1.0, seed=seed, use_lp=False)
     began = time.perf_counter()
-    mip, _, optimal = solve_mip(problem, arrays, None, mip_limit_s, seed)
+    mip, _, optimal = solve_mip(problem, arrays, seed, max_nodes=None, safety_net_s=mip_limit_s)
     mip_s = time.perf_counter() - began
     heuristic_gap, heuristic_misses = rest_gap(plan.gpus)
     out: dict[str, object] = {

@@ -12,8 +12,10 @@ Why these solvers (measured on the 2-core dev machine, see docs/allocation.md):
   exactly as a MIP with HiGHS (measured 1.4-2x faster than SCIP on our small time-indexed MIPs).
 - CP-SAT is not used: the model has continuous progress variables, which CP-SAT cannot represent
   exactly, and it is tuned for 8+ workers.
-Which steps run depends on the problem's size and the time limit, never on the clock, so a fixed
-seed gives the same plan under any load (the MIPs' own HiGHS time limits excepted).
+Which steps run depends on the problem's size and the time limit, never on the clock, and the
+MIPs stop on HiGHS node limits (work, not seconds), so a fixed seed gives the same plan under any
+load. HiGHS' wall-clock limit stays only as a safety net (MIP_SAFETY_NET_S) that a normal run never
+reaches; hitting it is the one source of non-determinism left.
 The objective is lexicographic through weights: deadline misses first, then priority-weighted
 completion time, then carbon (at the problem's price) and GPU-count changes.
 """
@@ -53,6 +55,19 @@ from scheduler_service.allocation.slots import SlotState, fit_slot
 
 # Above this many binaries the exact MIP is skipped: LP + rounding is used alone.
 EXACT_MAX_BINARIES = 150
+# The near-deadline MIP covers at most this many binaries.
+NEAR_MAX_BINARIES = 4 * EXACT_MAX_BINARIES
+# HiGHS MIPs stop after this many branch-and-bound nodes: a work limit, so the answer is the same
+# on a loaded machine (HiGHS ignores simplex_iteration_limit inside a MIP: checked, 1.12.0). The
+# MIPs on simulator ticks and on random problems at the size limits above closed at <= 14 nodes.
+MIP_MAX_NODES = 500
+# Wall-clock limit handed to HiGHS only as a safety net against a pathological MIP: the MIPs above
+# took <= 1.3 s at load ~3; a run that hits it may differ from one that does not.
+MIP_SAFETY_NET_S = 30.0
+# Size estimate that decides whether a MIP runs (with the time limit, never the clock): HiGHS
+# took 0.1-0.8 ms per binary on simulator ticks (2-core machine, load ~3), 3.6 ms at worst on
+# random problems at the size limits.
+MIP_SECONDS_PER_BINARY = 5e-4
 # The deadline repair re-evaluates whole plans per move: only worth it on small problems.
 REPAIR_MAX_JOBS = 100
 # Moves the repair tries at most (a count, not a clock, so results do not depend on load).
@@ -141,20 +156,25 @@ def solve_lp(problem: AllocationProblem, arrays: PlanArrays) -> LpResult:
 def solve_mip(
     problem: AllocationProblem,
     arrays: PlanArrays,
-    hint: dict[str, tuple[int, ...]] | None,
-    time_limit_s: float,
     seed: int,
+    *,
+    max_nodes: int | None = MIP_MAX_NODES,
+    safety_net_s: float = MIP_SAFETY_NET_S,
 ) -> tuple[dict[str, tuple[int, ...]] | None, float | None, bool]:
-    """Exact MIP with HiGHS: (GPU matrix or None, best bound, proven optimal)."""
+    """Exact MIP with HiGHS: (GPU matrix or None, best bound, proven optimal).
+
+    Bounded by `max_nodes` (deterministic; None = no node limit) and by `safety_net_s` of wall
+    clock, which a normal call never reaches.
+    """
     built = build_model(problem, arrays, with_changes=True)
     model = _to_model(built, integer=True)
     # No solution hint: OR-Tools 9.15 segfaults passing hints to HiGHS (reproduced here). The
     # warm start lives on as a candidate plan that the MIP's answer must beat (see `solve`).
-    del hint
     solver = mb.Solver("highs")
-    solver.set_time_limit_in_seconds(max(time_limit_s, 0.05))
+    solver.set_time_limit_in_seconds(safety_net_s)
+    nodes = "" if max_nodes is None else f"mip_max_nodes={int(max_nodes)}\n"
     solver.set_solver_specific_parameters(
-        f"output_flag=false\nthreads=1\nrandom_seed={int(seed)}\nmip_rel_gap=1e-4\n"
+        f"output_flag=false\nthreads=1\nrandom_seed={int(seed)}\nmip_rel_gap=1e-4\n{nodes}"
     )
     with _native_stdout_to_stderr():
         status = solver.solve(model)
@@ -502,6 +522,12 @@ def lp_affordable(arrays: PlanArrays, num_slots: int, time_limit_s: float) -> bo
     return cells * LP_SECONDS_PER_CELL <= 0.5 * time_limit_s
 
 
+def mip_affordable(binaries: int, max_binaries: int, time_limit_s: float) -> bool:
+    """Whether a MIP of this many binaries runs: size cap, and its estimated time fits half the
+    time limit (from the size, not the clock)."""
+    return binaries <= max_binaries and binaries * MIP_SECONDS_PER_BINARY <= 0.5 * time_limit_s
+
+
 def greedy_passes(arrays: PlanArrays, num_slots: int, time_limit_s: float) -> int:
     """Rounds of the greedy that fit 60 % of the time limit, estimated from size (at least 1)."""
     cells = int(arrays.valid.sum()) * num_slots
@@ -518,10 +544,11 @@ def solve(
     seed: int = 0,
     use_lp: bool | None = None,
 ) -> AllocationPlan:
-    """Best plan found within `time_limit_s` (deterministic for a fixed seed).
+    """Best plan within a budget of `time_limit_s` (deterministic for a fixed seed).
 
-    `use_lp` forces the horizon LP on or off; by default it runs when its estimated time (from
-    the problem's size, not the clock) fits half the limit.
+    The limit picks the steps by their size-estimated cost (never the clock), so a loaded machine
+    returns the same plan, later. `use_lp` forces the horizon LP on or off; by default it runs
+    when its estimated time fits half the limit.
     """
     started = time.perf_counter()
     if not problem.jobs:
@@ -553,7 +580,7 @@ def solve(
     if lp is not None:
         for mode in ("ceil", "nearest"):
             add(trim_after_finish(problem, round_lp(problem, arrays, lp, prefer, mode)))
-        near = _near_deadline_mip(problem, arrays, lp, prefer, started + time_limit_s * 0.5, seed)
+        near = _near_deadline_mip(problem, arrays, lp, prefer, time_limit_s, seed)
         if near is not None:
             add(near)
     feasible = [c for c in candidates if _ok(c[2])]
@@ -570,11 +597,8 @@ def solve(
     bound = None if lp is None else lp.bound
     status = "heuristic"
     binaries = int(arrays.valid.sum()) * problem.num_slots * 2
-    left_s = time_limit_s - (time.perf_counter() - started)
-    if lp is not None and binaries <= EXACT_MAX_BINARIES and left_s > 0:
-        gpus, mip_bound, optimal = solve_mip(
-            problem, arrays, best[0] if best else None, left_s, seed
-        )
+    if lp is not None and mip_affordable(binaries, EXACT_MAX_BINARIES, time_limit_s):
+        gpus, mip_bound, optimal = solve_mip(problem, arrays, seed)
         if gpus is not None:
             gpus = trim_after_finish(problem, gpus)
             ev = evaluate_gpus(problem, gpus)
@@ -608,7 +632,7 @@ def _near_deadline_mip(
     arrays: PlanArrays,
     lp: LpResult,
     prefer: dict[str, int] | None,
-    until: float,
+    time_limit_s: float,
     seed: int,
 ) -> dict[str, tuple[int, ...]] | None:
     """Exact MIP over the slots up to the last deadline inside the horizon, LP rounding after.
@@ -624,17 +648,15 @@ def _near_deadline_mip(
     if not deadlines:
         return None
     slots = int(np.ceil(max(deadlines) / problem.slot_s))
-    if slots >= problem.num_slots or int(arrays.valid.sum()) * slots * 2 > EXACT_MAX_BINARIES * 4:
+    binaries = int(arrays.valid.sum()) * slots * 2
+    if slots >= problem.num_slots or not mip_affordable(binaries, NEAR_MAX_BINARIES, time_limit_s):
         return None
     sub = replace(
         problem,
         capacity_gpus=problem.capacity_gpus[:slots],
         intensity_g_per_kwh=problem.intensity_g_per_kwh[:slots],
     )
-    left_s = until - time.perf_counter()
-    if left_s <= 0:
-        return None
-    head, _, _ = solve_mip(sub, PlanArrays(sub), None, left_s, seed)
+    head, _, _ = solve_mip(sub, PlanArrays(sub), seed)
     if head is None:
         return None
     return trim_after_finish(problem, round_lp(problem, arrays, lp, prefer, "ceil", prefix=head))
