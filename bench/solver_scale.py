@@ -12,12 +12,14 @@ repeated `--repeat` times; `solve_s` is the median wall time (`solve_s_best` the
 
 The LP bound is the compact LP relaxation (model.build_compact_lp, HiGHS) solved *outside* the
 timed solve. Figures:
-- `gap` = (plan's objective - bound) / bound with each side's deadline-miss term taken out
-  (the plan's M x misses, the LP's M x its fractional misses): how far the plan's completion,
-  carbon and change terms are above the LP's.
+- `gap` = `problem.relative_gap(objective, bound)`, the one definition plans use too:
+  (objective - bound) / (bound - M x deadlines no plan can meet). When the plan misses no more
+  deadlines than the LP it is how far the completion, carbon and change terms are above the LP's;
+  each deadline the plan drops beyond the LP adds M (more than all other terms) to the numerator.
 - `deadline_misses_beyond_lp` = plan's misses - LP's misses (the LP's misses are the deadlines
   no plan can meet, when it equals `deadlines_impossible`). A positive value means the plan
-  lost deadlines the LP kept; each one costs more than all other terms together.
+  lost deadlines the LP kept. `objective_without_misses` / `lp_bound_without_misses` are each
+  side with its own M x misses taken out (raw figures, not a gap).
 Usage:
     python bench/solver_scale.py [--data DIR] [--cases 100:256,1000:2048] [--seed 0]
         [--time-limit-s 1.0] [--repeat 3] [--no-warm]
@@ -47,6 +49,7 @@ from scheduler_service.allocation.problem import (
     JobSpec,
     PlanArrays,
     evaluate_gpus,
+    relative_gap,
 )
 from scheduler_service.allocation.solver import solve, solve_lp, solve_mip, trim_after_finish
 
@@ -147,12 +150,7 @@ def measure(
     miss_cost = problem.deadline_miss_cost_s()
     misses = sum(1 for ok in plan.deadline_met.values() if not ok)
     lp_misses = float(lp.missed.sum())
-    impossible = sum(
-        1
-        for j in problem.jobs
-        if j.deadline_s is not None
-        and j.remaining_samples / problem.usable_max_rate(j) > j.deadline_s + 1e-6
-    )
+    impossible = sum(1 for j in problem.jobs if problem.deadline_impossible(j))
     rest = plan.objective - miss_cost * misses
     rest_bound = lp.bound - miss_cost * lp_misses
     figures: dict[str, object] = {
@@ -161,7 +159,7 @@ def measure(
         "gpus": max(problem.capacity_gpus),
         "solve_s": round(statistics.median(times), 3),
         "solve_s_best": round(min(times), 3),
-        "gap": round((rest - rest_bound) / max(abs(rest_bound), 1e-9), 5),
+        "gap": round(relative_gap(problem, plan.objective, lp.bound), 5),
         "deadline_misses_beyond_lp": round(misses - lp_misses, 2),
         "status": plan.status,
         "deadlines_met": f"{len(plan.deadline_met) - misses}/{len(plan.deadline_met)}",
@@ -200,7 +198,7 @@ def mip_check(
 ) -> dict[str, object]:
     """Integrality check on a small case: solve's plan and the exact MIP optimum vs the LP bound.
 
-    Both gaps are taken like `gap` above (deadline-miss terms out, LP misses for the bound).
+    Both gaps are `relative_gap` against the LP bound, like `gap` above.
     """
     rng = np.random.default_rng(seed)
     jobs = make_jobs(num_jobs, min(gpus, 64), data, rng)
@@ -212,20 +210,18 @@ def mip_check(
         jobs=tuple(jobs),
     )
     arrays = PlanArrays(problem)
-    miss_cost = problem.deadline_miss_cost_s()
     lp = solve_lp(problem, arrays)
-    rest_bound = lp.bound - miss_cost * float(lp.missed.sum())
 
-    def rest_gap(gpus_plan: dict[str, tuple[int, ...]]) -> tuple[float, int]:
+    def gap_and_misses(gpus_plan: dict[str, tuple[int, ...]]) -> tuple[float, int]:
         ev = evaluate_gpus(problem, gpus_plan)
         misses = sum(1 for ok in ev.deadline_met.values() if not ok)
-        return (ev.objective - miss_cost * misses - rest_bound) / rest_bound, misses
+        return relative_gap(problem, ev.objective, lp.bound), misses
 
     plan = solve(problem, time_limit_s=1.0, seed=seed, use_lp=False)
     began = time.perf_counter()
     mip, _, optimal = solve_mip(problem, arrays, seed, max_nodes=None, safety_net_s=mip_limit_s)
     mip_s = time.perf_counter() - began
-    heuristic_gap, heuristic_misses = rest_gap(plan.gpus)
+    heuristic_gap, heuristic_misses = gap_and_misses(plan.gpus)
     out: dict[str, object] = {
         "jobs": num_jobs,
         "slots": slots,
@@ -237,7 +233,7 @@ def mip_check(
         "mip_optimal": optimal,  # within HiGHS' mip_rel_gap (1e-4)
     }
     if mip is not None:
-        mip_gap, mip_misses = rest_gap(trim_after_finish(problem, mip))
+        mip_gap, mip_misses = gap_and_misses(trim_after_finish(problem, mip))
         out["mip_gap"] = round(mip_gap, 5)
         out["mip_misses"] = mip_misses
     return out

@@ -165,7 +165,7 @@ def build_model(
             row = np.array([start + n])
             r.add(row, np.array([m0 + n]), 1.0)
             assert job.deadline_s is not None
-            if job.remaining_samples / problem.usable_max_rate(job) > job.deadline_s + 1e-6:
+            if problem.deadline_impossible(job):
                 lower[m0 + n] = 1.0  # missed in every plan: fixing it tightens the LP bound
             if job.deadline_s >= problem.horizon_s:
                 # Work after the horizon at full speed still counts towards a later deadline.
@@ -329,8 +329,8 @@ def build_compact_lp(problem: AllocationProblem, arrays: PlanArrays) -> CompactL
         for n, j in enumerate(deadline_jobs):
             job = problem.jobs[j]
             assert job.deadline_s is not None
-            if job.remaining_samples / problem.usable_max_rate(job) > job.deadline_s + 1e-6:
-                lower[n_x + n] = 1.0
+            if problem.deadline_impossible(job):
+                lower[n_x + n] = 1.0  # missed in every plan (relative_gap relies on it)
             if job.deadline_s >= problem.horizon_s:
                 extra = (job.deadline_s - problem.horizon_s) / (
                     arrays.remaining[j] / arrays.max_throughput[j]

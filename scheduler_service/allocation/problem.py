@@ -188,6 +188,18 @@ class AllocationProblem:
         slot = int(job.deadline_s // self.slot_s)
         return slot, (job.deadline_s - slot * self.slot_s) / self.slot_s
 
+    def deadline_impossible(self, job: JobSpec) -> bool:
+        """Whether no plan can meet the job's deadline (its work at the fastest count takes longer)."""
+        return (
+            job.deadline_s is not None
+            and job.remaining_samples / self.usable_max_rate(job) > job.deadline_s + 1e-6
+        )
+
+    def certain_miss_cost_s(self) -> float:
+        """Miss cost of the deadlines no plan can meet: the same in every plan and in the bound."""
+        impossible = sum(1 for job in self.jobs if self.deadline_impossible(job))
+        return self.deadline_miss_cost_s() * impossible if impossible else 0.0
+
     def usable_max_rate(self, job: JobSpec) -> float:
         """Fastest samples/s over the job's counts that fit the largest slot capacity."""
         cap = max(self.capacity_gpus)
@@ -458,13 +470,25 @@ def plan_objective(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]])
     return evaluate_gpus(problem, gpus).objective
 
 
+def relative_gap(problem: AllocationProblem, objective: float, bound: float) -> float:
+    """The optimality gap of a plan: (objective - bound) / (bound - certain misses' cost).
+
+    The one definition (plans, benchmarks and docs use it). Deadlines no plan can meet cost the
+    same in every plan and in the bound (the models fix their miss variables to 1), so their cost
+    is left out of the denominator; avoidable misses stay in both sides, so a plan that drops
+    deadlines the bound keeps has a large gap, never a small one.
+    """
+    base = bound - problem.certain_miss_cost_s()
+    return max(0.0, objective - bound) / max(abs(base), 1e-9)
+
+
 def missed_reason(problem: AllocationProblem, job: JobSpec) -> str:
     """Why a job's deadline is missed: impossible alone, or lost to capacity/budget contention."""
     assert job.deadline_s is not None
     if job.deadline_s <= 0:
         return "deadline already passed"
-    alone_s = job.remaining_samples / problem.usable_max_rate(job)
-    if alone_s > job.deadline_s + 1e-6:
+    if problem.deadline_impossible(job):
+        alone_s = job.remaining_samples / problem.usable_max_rate(job)
         return (
             f"needs {alone_s:.0f} s at its fastest allowed count ({max(job.allowed_gpus)} GPUs) "
             f"but only {job.deadline_s:.0f} s are left"
@@ -490,16 +514,7 @@ def make_plan(
     `evaluation`: `evaluate_gpus(problem, gpus)` when the caller already has it.
     """
     ev = evaluate_gpus(problem, gpus) if evaluation is None else evaluation
-    gap = None
-    if bound is not None:
-        # Deadlines no plan can meet cost the same everywhere: leave them out of the gap.
-        certain = problem.deadline_miss_cost_s() * sum(
-            1
-            for j in problem.jobs
-            if j.deadline_s is not None
-            and j.remaining_samples / problem.usable_max_rate(j) > j.deadline_s + 1e-6
-        )
-        gap = max(0.0, ev.objective - bound) / max(abs(ev.objective - certain), 1e-9)
+    gap = None if bound is None else relative_gap(problem, ev.objective, bound)
     reasons = {
         job.job_id: missed_reason(problem, job)
         for job in problem.jobs

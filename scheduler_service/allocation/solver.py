@@ -60,6 +60,8 @@ NEAR_MAX_BINARIES = 4 * EXACT_MAX_BINARIES
 # HiGHS MIPs stop after this many branch-and-bound nodes: a work limit, so the answer is the same
 # on a loaded machine (HiGHS ignores simplex_iteration_limit inside a MIP: checked, 1.12.0). The
 # MIPs on simulator ticks and on random problems at the size limits above closed at <= 14 nodes.
+# A MIP stopped by the limit comes back through ModelBuilder as UNKNOWN without values (checked),
+# so it is simply not a candidate.
 MIP_MAX_NODES = 500
 # Wall-clock limit handed to HiGHS only as a safety net against a pathological MIP: the MIPs above
 # took <= 1.3 s at load ~3; a run that hits it may differ from one that does not.
@@ -459,11 +461,7 @@ def greedy_candidates(
     deadlines on 1,000 jobs x 48 slots).
     """
     protect = np.array(
-        [
-            j.deadline_s is not None
-            and j.remaining_samples / problem.usable_max_rate(j) <= j.deadline_s + 1e-6
-            for j in problem.jobs
-        ],
+        [j.deadline_s is not None and not problem.deadline_impossible(j) for j in problem.jobs],
         dtype=bool,
     )
     start = None

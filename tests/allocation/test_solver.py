@@ -15,6 +15,7 @@ from scheduler_service.allocation.problem import (
     JobSpec,
     allowed_gpu_counts,
     evaluate_gpus,
+    relative_gap,
 )
 from scheduler_service.allocation.solver import admit, shift_previous, solve
 
@@ -152,3 +153,18 @@ def test_registry_lists_all_policies() -> None:
     assert set(POLICIES) == {"greenflow", "carbon-agnostic", "static", "carbon-greedy", "shift"}
     with pytest.raises(UnknownPolicy, match="greenflow"):
         get_policy("nope")
+
+
+def test_gap_has_one_definition() -> None:
+    p = problem((job("late", 10.0, deadline_h=1.0), job("a", 3.0), job("b", 1.0, deadline_h=2.0)))
+    plan = solve(p, seed=0)
+    assert plan.bound is not None and plan.gap is not None
+    assert plan.gap == relative_gap(p, plan.objective, plan.bound)
+    # The impossible deadline costs the same in the plan and the bound: it does not hide the gap
+    # in a huge denominator, and the solver's plan is close to the bound here (exact MIP).
+    assert p.certain_miss_cost_s() == p.deadline_miss_cost_s()
+    assert plan.gap == pytest.approx(0.0, abs=1e-4)
+    # A plan dropping the avoidable deadline is far from the bound, never close to it.
+    dropped = evaluate_gpus(p, {**plan.gpus, "b": (0,) * p.num_slots})
+    assert not dropped.deadline_met["b"]
+    assert relative_gap(p, dropped.objective, plan.bound) > 1.0
