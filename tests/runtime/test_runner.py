@@ -90,3 +90,13 @@ def test_same_workers_switch_while_training_builds_groups_before_the_pause() -> 
         assert progress.layout == Layout(pp=2) and progress.loss is not None
         assert torch.isfinite(torch.tensor(progress.loss))
         run.pause()
+
+
+def test_plain_copy_probes_time_the_same_pairs() -> None:
+    """The bench's references: a p2p copy and a shared-memory copy of the same pair bytes."""
+    spec = JobSpec(preset="mlp", n_layers=1, d_model=8, global_batch_size=4, micro_batch_size=1)
+    with JobRunner(snapshot_policy="none") as probe:
+        probe.start(spec, 3, Layout(dp=3))
+        pairs = [(0, 1, 1 << 20), (1, 0, 1 << 20), (2, 0, 4096)]
+        assert probe.probe_p2p(pairs) > 0
+        assert probe.probe_shm_copy(pairs) > 0

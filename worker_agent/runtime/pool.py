@@ -295,6 +295,34 @@ class JobRunner:
             )
         return float(max(times))
 
+    def probe_shm_copy(self, pairs: list[tuple[int, int, int]], repeats: int = 3) -> float:
+        """Median seconds of a plain shared-memory copy of (src_rank, dst_rank, bytes): each
+        receiver copies its pairs out of buffers its senders allocated, all receivers at once."""
+        elems = [(s, d, n // 4) for s, d, n in pairs]
+        with self._lock:
+            bufs = self._call([(h, "shm_probe_buffers", {"pairs": elems}) for h in self._ranks])
+            it = {r: iter(b) for r, b in enumerate(bufs)}
+            sources = [next(it[s]) for s, _, _ in elems]
+            times = self._call(
+                [
+                    (
+                        h,
+                        "shm_probe",
+                        {
+                            "pairs": elems,
+                            # Each receiver maps only the buffers it copies from.
+                            "sources": [
+                                t if d == r else None
+                                for t, (_, d, _) in zip(sources, elems, strict=True)
+                            ],
+                            "repeats": repeats,
+                        },
+                    )
+                    for r, h in enumerate(self._ranks)
+                ]
+            )
+        return float(max(times))
+
     @property
     def layout(self) -> Layout:
         """The current layout."""

@@ -557,6 +557,43 @@ class Worker:
         times = sorted(once() for _ in range(repeats))
         return times[len(times) // 2]
 
+    def cmd_shm_probe_buffers(self, pairs: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Warm shared-memory send buffers, one per (src_rank, dst_rank, numel) this rank sends."""
+        me = dist.get_rank()
+        out = []
+        for s, _, n in pairs:
+            if s == me:
+                storage = torch.UntypedStorage._new_shared(n * 4)
+                out.append(torch.empty(0).set_(storage).fill_(1.0))
+        return out
+
+    def cmd_shm_probe(
+        self, pairs: list[tuple[int, int, int]], sources: list[torch.Tensor | None], repeats: int
+    ) -> float:
+        """Median seconds for this rank to copy every pair it receives out of the sender's
+        shared-memory buffer (`sources[i]` for `pairs[i]`) into a warm buffer of its own.
+
+        Both sides' pages are faulted in beforehand, as a staged switch's are.
+        """
+        me = dist.get_rank()
+        mine = [(src, n) for (_, d, n), src in zip(pairs, sources, strict=True) if d == me]
+        srcs = [src for src, _ in mine if src is not None]
+        assert len(srcs) == len(mine), "a receiver needs every sender's buffer"
+        dsts = [torch.ones(n) for _, n in mine]
+        for src in srcs:
+            float(src[:: 4096 // src.element_size()].sum())
+
+        def once() -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+            return time.perf_counter() - t0
+
+        once()  # warm-up, as for the p2p probe
+        times = sorted(once() for _ in range(repeats))
+        return times[len(times) // 2]
+
     def cmd_arm_fault(self, mode: str) -> None:
         """Test hook: in the next switch, exit (`switch`, `stage`) or raise (`transfer`)."""
         self.cfg = dataclasses.replace(self.cfg, fail_at=mode)
