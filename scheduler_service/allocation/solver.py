@@ -81,6 +81,12 @@ REPAIR_MAX_TRIALS = 2000
 LP_SECONDS_PER_CELL = 2e-5
 GREEDY_SECONDS_PER_CELL = 3e-7
 GREEDY_MAX_PASSES = 4
+# The baselines' plans are candidates too while they fit a quarter of the time limit by this
+# estimate (all five together: 0.07 s at 100 jobs x 48 slots, 1.8 s at 1,000 jobs, load ~3.5).
+# Why: under tight hard budgets split into several periods, which deadlines to keep is a
+# knapsack; at 20-60 jobs x 8-16 slots a baseline's choice sometimes kept one more deadline than
+# the heuristic's and the LP roundings (property test, tests/allocation/test_large_properties.py).
+BASELINE_SECONDS_PER_CELL = 8e-6
 
 
 class SolverError(RuntimeError):
@@ -526,6 +532,33 @@ def mip_affordable(binaries: int, max_binaries: int, time_limit_s: float) -> boo
     return binaries <= max_binaries and binaries * MIP_SECONDS_PER_BINARY <= 0.5 * time_limit_s
 
 
+def baselines_affordable(arrays: PlanArrays, num_slots: int, time_limit_s: float) -> bool:
+    """Whether the baselines' plans fit a quarter of the time limit, estimated from size."""
+    cells = int(arrays.valid.sum()) * num_slots
+    return cells * BASELINE_SECONDS_PER_CELL <= 0.25 * time_limit_s
+
+
+def baseline_plans(
+    problem: AllocationProblem, time_limit_s: float, seed: int
+) -> list[tuple[str, dict[str, tuple[int, ...]]]]:
+    """(name, GPU matrix) of every baseline policy and lean EDF on this problem."""
+    # Imported here: the baselines build on this module's helpers.
+    from scheduler_service.allocation import baselines
+
+    policies = (
+        baselines.carbon_agnostic,
+        baselines.lean_edf,
+        baselines.static_fcfs,
+        baselines.carbon_greedy,
+        baselines.temporal_shift,
+    )
+    out = []
+    for policy in policies:
+        plan = policy(problem, previous=None, time_limit_s=time_limit_s, seed=seed)
+        out.append((plan.policy, plan.gpus))
+    return out
+
+
 def greedy_passes(arrays: PlanArrays, num_slots: int, time_limit_s: float) -> int:
     """Rounds of the greedy that fit 60 % of the time limit, estimated from size (at least 1)."""
     cells = int(arrays.valid.sum()) * num_slots
@@ -581,6 +614,9 @@ def solve(
         near = _near_deadline_mip(problem, arrays, lp, prefer, time_limit_s, seed)
         if near is not None:
             add(near)
+    if baselines_affordable(arrays, problem.num_slots, time_limit_s):
+        for name, counts in baseline_plans(problem, time_limit_s, seed):
+            add(counts, f"heuristic:{name}")
     feasible = [c for c in candidates if _ok(c[2])]
     best = min(feasible, key=lambda c: c[2].objective) if feasible else None
     if lp is not None and best is not None and len(problem.jobs) <= REPAIR_MAX_JOBS:
@@ -610,9 +646,13 @@ def solve(
         # Nothing met the hard constraints (e.g. the budget is already spent): run nothing.
         idle = {job.job_id: (0,) * problem.num_slots for job in problem.jobs}
         best = (idle, "heuristic", evaluate_gpus(problem, idle))
+    notes: tuple[str, ...] = ()
+    if lp is not None:
+        notes = (f"lp_deadline_misses={float(lp.missed.sum()):.3f}",)
     if status != "optimal":
-        status = best[1]
-    notes = () if lp is None else (f"lp_deadline_misses={float(lp.missed.sum()):.3f}",)
+        status, _, source = best[1].partition(":")
+        if source:
+            notes = (*notes, f"best candidate: the {source} baseline's plan")
     return make_plan(
         problem,
         best[0],

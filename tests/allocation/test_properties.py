@@ -109,9 +109,20 @@ def check_hard_constraints(problem: AllocationProblem, gpus: dict[str, tuple[int
     for t in range(problem.num_slots):
         assert used[t] <= problem.capacity_gpus[t], f"slot {t} over capacity"
     if problem.budget_mode is BudgetMode.HARD:
-        emissions = evaluate_gpus(problem, gpus).emissions_kg_per_slot
+        # Per period: the emissions of the slots (or parts of slots) inside it, from slot power.
+        kg_per_w = problem.slot_emissions_kg_per_w()
+        power_w = [0.0] * problem.num_slots
+        for job in problem.jobs:
+            for t, g in enumerate(gpus[job.job_id]):
+                if g:
+                    power_w[t] += job.power_w[job.allowed_gpus.index(g)]
         for period in problem.budget_periods:
-            assert emissions.sum() <= period.budget_left_kg * (1 + 1e-6) + 1e-9
+            kg = 0.0
+            for t in range(problem.num_slots):
+                start_s, end_s = t * problem.slot_s, (t + 1) * problem.slot_s
+                inside_s = max(0.0, min(end_s, period.end_s) - max(start_s, period.start_s))
+                kg += power_w[t] * kg_per_w[t] * inside_s / problem.slot_s
+            assert kg <= period.budget_left_kg * (1 + 1e-6) + 1e-9, f"period {period} over budget"
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
