@@ -88,11 +88,6 @@ class JobSpec:
         fitting = [g for g in self.allowed_gpus if g <= self.requested_gpus]
         return fitting[-1] if fitting else self.allowed_gpus[0]
 
-    @property
-    def max_throughput_samples_per_s(self) -> float:
-        """Fastest rate over the allowed counts."""
-        return max(self.throughput_samples_per_s)
-
     def index_of(self, gpus: int) -> int:
         """Position of `gpus` in `allowed_gpus` (-1 for 0 GPUs)."""
         return -1 if gpus == 0 else self.allowed_gpus.index(gpus)

@@ -731,18 +731,8 @@ def admit(
         else None
     )
     met_before = {k for k, v in base.deadline_met.items() if v} if base else set()
-    trial = AllocationProblem(
-        start_at=problem.start_at,
-        slot_s=problem.slot_s,
-        capacity_gpus=problem.capacity_gpus,
-        intensity_g_per_kwh=problem.intensity_g_per_kwh,
-        jobs=(*problem.jobs, new_job),
-        pue=problem.pue,
-        budget_periods=problem.budget_periods,
-        budget_mode=problem.budget_mode,
-        carbon_price_s_per_kg=problem.carbon_price_s_per_kg,
-        change_cost_s=problem.change_cost_s,
-    )
+    # replace() keeps every other field, including ones added to AllocationProblem later.
+    trial = replace(problem, jobs=(*problem.jobs, new_job))
     plan = plan_with(trial, previous=None, time_limit_s=time_limit_s / 2, seed=seed)
     if new_job.deadline_s is None:
         return AdmissionDecision(True, False, "no deadline", plan)

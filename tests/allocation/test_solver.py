@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from scheduler_service.allocation.policies import POLICIES, UnknownPolicy, get_policy
 from scheduler_service.allocation.problem import (
+    AllocationPlan,
     AllocationProblem,
     BudgetMode,
     BudgetPeriod,
@@ -168,3 +170,20 @@ def test_gap_has_one_definition() -> None:
     dropped = evaluate_gpus(p, {**plan.gpus, "b": (0,) * p.num_slots})
     assert not dropped.deadline_met["b"]
     assert relative_gap(p, dropped.objective, plan.bound) > 1.0
+
+
+def test_admission_trial_keeps_every_problem_field() -> None:
+    seen: list[AllocationProblem] = []
+
+    def spy(p: AllocationProblem, **kw: object) -> AllocationPlan:
+        seen.append(p)
+        return solve(p, **kw)  # type: ignore[arg-type]
+
+    budget = (BudgetPeriod(0.0, 6 * SLOT_S, budget_left_kg=0.5),)
+    current = problem((job("a", 2.0),), budget_periods=budget, pue=1.3, carbon_price_s_per_kg=10.0)
+    admit(current, job("b", 1.0, deadline_h=4.0), policy=spy)
+    trial = seen[-1]
+    assert trial.jobs == (*current.jobs, job("b", 1.0, deadline_h=4.0))
+    for f in dataclasses.fields(AllocationProblem):
+        if f.name != "jobs":
+            assert getattr(trial, f.name) == getattr(current, f.name), f.name
