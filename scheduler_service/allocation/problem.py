@@ -478,7 +478,7 @@ def relative_gap(problem: AllocationProblem, objective: float, bound: float) -> 
 
 
 def missed_reason(problem: AllocationProblem, job: JobSpec) -> str:
-    """Why a job's deadline is missed: impossible alone, or lost to capacity/budget contention."""
+    """Why a job's deadline is missed, without a plan: impossible alone, or contention."""
     assert job.deadline_s is not None
     if job.deadline_s <= 0:
         return "deadline already passed"
@@ -491,6 +491,114 @@ def missed_reason(problem: AllocationProblem, job: JobSpec) -> str:
     if problem.budget_mode is BudgetMode.HARD and problem.budget_periods:
         return "capacity or carbon budget is taken by other jobs' deadlines or exhausted"
     return "capacity is taken by other jobs' deadlines"
+
+
+def _slot_ranges(slots: np.ndarray) -> str:
+    """Slot indices as ranges, e.g. "0-3, 7"."""
+    out: list[str] = []
+    for t in slots.tolist():
+        if out and out[-1].split("-")[-1] == str(t - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{t}"
+        else:
+            out.append(str(t))
+    return ", ".join(out)
+
+
+def missed_reasons(
+    problem: AllocationProblem, gpus: dict[str, tuple[int, ...]], ev: PlanEvaluation
+) -> dict[str, str]:
+    """Why each deadline the plan misses is missed: which jobs hold the capacity before it, which
+    budget periods are spent, and whether the deadlines due by then overload the cluster.
+
+    Overload is a GPU-hour count: every deadline job due by this deadline at its most
+    GPU-efficient count, against the capacity before the deadline. Above it no plan meets them
+    all; below it the plan dropped the deadline by choice (whole-slot booking, allowed counts,
+    or the heuristic's pick). Cheap: numpy over jobs x slots per missed deadline.
+    """
+    missed = [j for j in problem.jobs if j.deadline_s is not None and not ev.deadline_met[j.job_id]]
+    if not missed:
+        return {}
+    arrays = plan_arrays(problem)
+    options, counts = _option_matrix(problem, gpus, arrays)
+    used = counts.sum(axis=0)
+    kg_per_w = problem.slot_emissions_kg_per_w()
+    rows = np.arange(arrays.num_jobs)[:, None]
+    job_kg = np.where(options >= 0, arrays.power_w[rows, np.maximum(options, 0)], 0.0) * kg_per_w
+    # Least kg each job's remaining work needs: its fewest joules per sample, cleanest slot.
+    joules = np.where(arrays.valid, arrays.power_w / np.maximum(arrays.throughput, 1e-12), np.inf)
+    least_kwh = arrays.remaining * joules.min(axis=1) / SECONDS_PER_HOUR / WATTS_PER_KILOWATT
+    capacity = np.asarray(problem.capacity_gpus)
+    deadline = np.array([np.inf if j.deadline_s is None else j.deadline_s for j in problem.jobs])
+    # Least GPU-seconds each job's remaining work needs (at its most GPU-efficient count).
+    gpu_s_per_sample = np.where(
+        arrays.valid, arrays.gpus / np.maximum(arrays.throughput, 1e-12), np.inf
+    )
+    least_gpu_s = arrays.remaining * gpu_s_per_sample.min(axis=1)
+    slot_start = np.arange(problem.num_slots) * problem.slot_s
+    index = {j.job_id: i for i, j in enumerate(problem.jobs)}
+    periods = problem.period_slots() if problem.budget_mode is BudgetMode.HARD else []
+    out = {}
+    for job in missed:
+        assert job.deadline_s is not None
+        if job.deadline_s <= 0 or problem.deadline_impossible(job):
+            out[job.job_id] = missed_reason(problem, job)
+            continue
+        i = index[job.job_id]
+        before = np.clip((job.deadline_s - slot_start) / problem.slot_s, 0.0, 1.0)
+        window = before > 0
+        # Slots before the deadline without room for the job's next count up.
+        own = counts[i]
+        step = np.array([next((g for g in job.allowed_gpus if g > c), np.inf) for c in own])
+        full = np.flatnonzero(window & (capacity - used + own < step))
+        parts = []
+        if len(full):
+            held = counts[:, full].sum(axis=1)
+            held[i] = 0
+            top = [k for k in np.argsort(-held, kind="stable")[:3] if held[k] > 0]
+            names = []
+            for k in top:
+                name = problem.jobs[k].job_id
+                names.append(
+                    f"{name} (earlier deadline)" if deadline[k] <= job.deadline_s else name
+                )
+            more = int((held > 0).sum()) - len(top)
+            holders = ", ".join(names) + (f" and {more} more" if more > 0 else "")
+            parts.append(f"capacity in slots {_slot_ranges(full)} is held by {holders}")
+        # The budget binds when what the other jobs leave in the periods before the deadline
+        # cannot pay for this job's work even at its most efficient count in the cleanest slot.
+        budget_binds = False
+        if periods:
+            others_kg = ev.emissions_kg_per_slot - job_kg[i]
+            room_kg = sum(
+                max(0.0, period.budget_left_kg - float((others_kg * share).sum()))
+                for period, share in periods
+                if (share * window).any()
+            )
+            cleanest = float(np.min(np.where(window, problem.intensity_g_per_kwh, np.inf)))
+            least_kg = float(least_kwh[i]) * problem.pue * cleanest / GRAMS_PER_KG
+            budget_binds = least_kg > room_kg
+            if budget_binds:
+                parts.append(
+                    f"the carbon budget left before it ({room_kg:.3g} kg after the other jobs) "
+                    f"cannot pay for its work ({least_kg:.3g} kg at best)"
+                )
+        due = (deadline <= job.deadline_s) & (deadline > 0)
+        need_h = float(least_gpu_s[due].sum()) / SECONDS_PER_HOUR
+        have_h = float((capacity * before).sum()) * problem.slot_s / SECONDS_PER_HOUR
+        if need_h > have_h:
+            parts.append(
+                f"overload: the {int(due.sum())} deadlines due by then need {need_h:.1f} GPU-h, "
+                f"the cluster has {have_h:.1f} GPU-h before it"
+            )
+        else:
+            why = (
+                "the budget binds"
+                if budget_binds
+                else "dropped by the plan's choice (whole-slot booking, allowed counts, heuristic)"
+            )
+            parts.append(f"no GPU-hour overload ({need_h:.1f} of {have_h:.1f} GPU-h due): {why}")
+        out[job.job_id] = "; ".join(parts)
+    return out
 
 
 def make_plan(
@@ -510,11 +618,7 @@ def make_plan(
     """
     ev = evaluate_gpus(problem, gpus) if evaluation is None else evaluation
     gap = None if bound is None else relative_gap(problem, ev.objective, bound)
-    reasons = {
-        job.job_id: missed_reason(problem, job)
-        for job in problem.jobs
-        if job.deadline_s is not None and not ev.deadline_met[job.job_id]
-    }
+    reasons = missed_reasons(problem, gpus, ev)
     return AllocationPlan(
         start_at=problem.start_at,
         slot_s=problem.slot_s,

@@ -187,3 +187,24 @@ def test_admission_trial_keeps_every_problem_field() -> None:
     for f in dataclasses.fields(AllocationProblem):
         if f.name != "jobs":
             assert getattr(trial, f.name) == getattr(current, f.name), f.name
+
+
+def test_missed_reason_names_the_jobs_holding_capacity_and_the_overload() -> None:
+    # "first" and "second" cannot both make it (12 GPU-h due by 2.5 h on 4 GPUs = 10 GPU-h).
+    p = problem(
+        (job("first", 8.0, deadline_h=2.5), job("second", 4.0, deadline_h=2.0), job("bg", 3.0))
+    )
+    plan = solve(p, seed=0)
+    (missed,) = [k for k, ok in plan.deadline_met.items() if not ok]
+    other = "second" if missed == "first" else "first"
+    reason = plan.missed_reasons[missed]
+    assert "capacity in slots 0-" in reason and other in reason
+    assert "overload" in reason and "12.0 GPU-h" in reason and "10.0 GPU-h" in reason
+
+
+def test_missed_reason_says_when_the_budget_binds() -> None:
+    budget = (BudgetPeriod(0.0, 6 * SLOT_S, budget_left_kg=0.05),)
+    plan = solve(problem((job("a", 2.0, deadline_h=2.0),), budget_periods=budget), seed=0)
+    assert plan.deadline_met == {"a": False}
+    assert "cannot pay for its work" in plan.missed_reasons["a"]
+    assert "no GPU-hour overload" in plan.missed_reasons["a"]
