@@ -830,8 +830,6 @@ class JobRunner:
 
         t0 = time.perf_counter()
         handles = self._call([(h, "switch_commit", {}) for h in union])
-        for h in leaving:
-            self._release(h, wait=False)
         same_group = [h.worker_id for h in union] == [h.worker_id for h in target]
         if not same_group:
             self._join(target)
@@ -840,6 +838,10 @@ class JobRunner:
         if not prebuilt:
             self._call([(h, "build_groups", {}) for h in target])
         regroup_s += time.perf_counter() - t0
+        # Leavers exit only now: their interpreter teardown (~1 s of CPU) would otherwise compete
+        # with the survivors' new process group for the same cores inside the pause.
+        for h in leaving:
+            self._release(h, wait=False)
         report = self._report(
             old_layout,
             new_layout,

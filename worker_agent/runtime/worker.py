@@ -481,9 +481,12 @@ class Worker:
         layout, rank, flat, step, extra = self._pending
         self._pending = None
         if layout is None or flat is None:
+            # Leaving: the memory goes back when the process exits, after the pause; unmapping
+            # the gradient and staging buffers here would cost tens of ms inside it.
+            self._retired += [self.flat, self.params, self.grad_flat, self.buffers]
             self.flat, self.params, self.grad_flat, self.smap = None, {}, None, None
             self.layout, self.rank = None, -1
-            self.buffers.release()
+            self.buffers = StagingBuffers(self.device)
             return None
         grad = self.grad_flat if flat is self.flat else extra.get("grad")
         # Freed after the pause (see worker_main), not in it.
