@@ -49,7 +49,7 @@ PAIRS_FULL = [
 PAIRS_QUICK = [(2, Layout(tp=2), 2, Layout(pp=2))]
 FUSED_PER_PEER = 2**62
 """direct_min_run_bytes that sends exactly one fused (packed) message per peer."""
-P2P_PAIRS = {"10M": 3, "50M": 3, "100M": 3, "250M": 1, "500M": 0}
+P2P_PAIRS = {"10M": 3, "50M": 1, "100M": 3, "250M": 1, "500M": 0}
 """Per size, how many of the pairs also run with transport="p2p" (no restart baseline)."""
 
 DEFINITIONS = {

@@ -104,6 +104,8 @@ class Worker:
         ) = None
         self._retired: list[Any] = []
         self._staging: _Staging | None = None
+        self._peer_maps: list[torch.Tensor] = []
+        """Peers' state buffers mapped for the last switch's pulls (unmapped after the pause)."""
 
     # ----- process groups -------------------------------------------------------------------
     def cmd_join(self, generation: int, rank: int, world_size: int) -> None:
@@ -457,11 +459,10 @@ class Worker:
                     raise RuntimeError(f"switch {switch_id} was not staged on this worker")
                 staged = self._stage(plan, new_layout, new_rank)
             wait_s = time.perf_counter() - t0
-            try:
-                stats = run_switch(staged, self.flat, group_rank)
-            finally:
-                # Unmap the peers' old buffers now: they are freed once the switch is over.
-                staged.peer_flats.clear()
+            # Unmapping them costs tens of ms per GB mapped: it waits for the retired state,
+            # after the pause (commit), or happens at abort.
+            self._peer_maps = list(staged.peer_flats.values())
+            stats = run_switch(staged, self.flat, group_rank)
             stats.stage_wait_s = wait_s
         except Exception:
             # Leave the group at once so peers blocked on our messages fail now, not at timeout;
@@ -480,6 +481,8 @@ class Worker:
         assert self._pending is not None
         layout, rank, flat, step, extra = self._pending
         self._pending = None
+        self._retired.append(self._peer_maps)
+        self._peer_maps = []
         if layout is None or flat is None:
             # Leaving: the memory goes back when the process exits, after the pause; unmapping
             # the gradient and staging buffers here would cost tens of ms inside it.
@@ -500,6 +503,7 @@ class Worker:
     def cmd_switch_abort(self) -> None:
         """Drop the prepared (or staging) state and keep the old one."""
         self._pending = None
+        self._peer_maps = []
         staging, self._staging = self._staging, None
         if staging is not None and staging.thread is not None:
             staging.thread.join()
