@@ -108,6 +108,10 @@ def test_solver_at_scale_keeps_budgets_per_period_and_beats_every_baseline(
         other = policy(problem, previous=None, time_limit_s=0.5, seed=0)
         check_hard_constraints(problem, other.gpus)
         assert plan.objective <= other.objective * (1 + 1e-9) + 1e-6, name
+    # The registered policy (solver + guard) keeps the constraints and never does worse.
+    guarded = POLICIES["greenflow"](problem, previous=None, time_limit_s=0.5, seed=0)
+    check_hard_constraints(problem, guarded.gpus)
+    assert guarded.objective <= plan.objective * (1 + 1e-9) + 1e-6
 
 
 @FEW
