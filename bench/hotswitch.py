@@ -12,6 +12,7 @@ The JSON's "definitions" say exactly what each figure measures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -66,9 +67,11 @@ DEFINITIONS = {
     "shared memory included) + unpack; with messages in flight its local copies run in a thread "
     "meanwhile, without them they run after (local_s, inside switch_s, not in exchange_s)",
     "plain_copy_s": "one batch_isend_irecv of the same bytes between the same rank pairs (one "
-    "message per pair) in a separate pool of 4 idle workers (ranks not in a pair wait at the "
-    "barrier), send and receive buffers allocated and touched beforehand like the switch's; "
-    "median of 3 after a warm-up, measured in the same run right after the switch",
+    "message per pair) in a separate pool of idle workers of the world size the switch "
+    "transferred in (4 when it grows or shrinks between 2 and 4; ranks not in a pair wait at the "
+    "barrier), private memory (measured: no different from shared memory here), send and "
+    "receive buffers allocated and touched beforehand like the switch's; median of 3 after a "
+    "warm-up, measured in the same run right after the switch",
     "plain_shm_copy_s": "the same pool: every receiver copies each pair's bytes (one contiguous "
     "copy per pair) out of a buffer its sender allocated in shared memory into a warm buffer, "
     "all receivers at once, pages of both faulted in beforehand; median of 3 after a warm-up",
@@ -245,23 +248,31 @@ def main() -> None:
     cases: list[dict[str, Any]] = []
     started = time.perf_counter()
     load_start = os.getloadavg()
-    with JobRunner(snapshot_policy="none") as probe:
-        # Plain-copy reference: a separate pool of 4 idle workers, warm pre-allocated buffers.
-        probe.start(
-            JobSpec(preset="mlp", n_layers=1, d_model=8, global_batch_size=4, micro_batch_size=1),
-            4,
-            Layout(dp=4),
-        )
+    world_sizes = sorted({max(p[0], p[2]) for p in pairs})
+    with contextlib.ExitStack() as stack:
+        # Plain-copy references: separate pools of idle workers, one per world size the switches
+        # transfer in; warm pre-allocated buffers.
+        probes: dict[int, JobRunner] = {}
+        for n in world_sizes:
+            probes[n] = stack.enter_context(JobRunner(snapshot_policy="none"))
+            probes[n].start(
+                JobSpec(
+                    preset="mlp", n_layers=1, d_model=8, global_batch_size=4, micro_batch_size=1
+                ),
+                n,
+                Layout(dp=n),
+            )
         for size in sizes:
             for pair in pairs[:1] if size in PAIRS_ONLY_SHARDED else pairs:
-                cases += run_pair(size, pair, probe)
+                cases += run_pair(size, pair, probes[max(pair[0], pair[2])])
             if not args.no_p2p_compare:
                 n_p2p = len(pairs) if args.quick else P2P_PAIRS.get(size, 0)
                 for pair in pairs[:n_p2p]:
-                    cases += run_pair(size, pair, probe, transport="p2p")
+                    cases += run_pair(size, pair, probes[max(pair[0], pair[2])], transport="p2p")
             if size == "50M" and not args.quick and not args.no_fused_compare:
                 # The issue asks for one fused buffer per peer; the p2p executor sends big runs
                 # unpacked instead. Measure both on the same pair.
+                probe = probes[max(pairs[0][0], pairs[0][2])]
                 cases += run_pair(size, pairs[0], probe, FUSED_PER_PEER, transport="p2p")
     default = [c for c in cases if c["variant"] == "default"]
     moved = [c for c in default if c["bytes_moved"]]
