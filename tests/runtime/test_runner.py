@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -100,3 +101,25 @@ def test_plain_copy_probes_time_the_same_pairs() -> None:
         pairs = [(0, 1, 1 << 20), (1, 0, 1 << 20), (2, 0, 4096)]
         assert probe.probe_p2p(pairs) > 0
         assert probe.probe_shm_copy(pairs) > 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc (Linux)")
+def test_repeated_switches_do_not_leak_file_descriptors() -> None:
+    """Each switch between the same workers builds new sub-groups; the replaced ones must close."""
+    spec = JobSpec(preset="gpt", n_layers=2, d_model=32, n_heads=4)
+    with JobRunner() as run:
+        run.start(spec, 2, Layout(tp=2))
+
+        def open_fds() -> list[int]:
+            run.train(1)  # the first command after a switch frees what it replaced
+            return [len(os.listdir(f"/proc/{pid}/fd")) for pid in run.worker_pids()]
+
+        for layout in (Layout(pp=2), Layout(tp=2)):
+            run.resize(2, layout)
+        before = open_fds()
+        for _ in range(4):
+            for layout in (Layout(pp=2), Layout(tp=2)):
+                run.resize(2, layout)
+        after = open_fds()
+        # 8 more switches used to leave ~20 more descriptors per worker.
+        assert all(a <= b + 2 for a, b in zip(after, before, strict=True)), (before, after)

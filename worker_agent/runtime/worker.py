@@ -105,6 +105,8 @@ class Worker:
         self._retired: list[Any] = []
         self._staging: _Staging | None = None
         self._peer_maps: list[torch.Tensor] = []
+        self._old_groups: list[dist.ProcessGroup] = []
+        """Sub-groups a switch replaced; destroyed after the pause (each holds open sockets)."""
         """Peers' state buffers mapped for the last switch's pulls (unmapped after the pause)."""
 
     # ----- process groups -------------------------------------------------------------------
@@ -231,6 +233,10 @@ class Worker:
     def free_retired(self, background: bool) -> None:
         """Drop the state buffers a switch replaced (unmapping takes tens of ms)."""
         retired, self._retired = self._retired, []
+        groups, self._old_groups = self._old_groups, []
+        for g in groups:
+            # Without this every switch between the same workers leaked a few file descriptors.
+            dist.destroy_process_group(g)
         if background:
             threading.Thread(target=retired.clear, name="greenflow-free", daemon=True).start()
         else:
@@ -497,6 +503,7 @@ class Worker:
         self._install(layout, rank, flat, step)
         self.grad_flat = grad
         if "groups" in extra:
+            self._old_groups += [g for g in (self.tp.group, self.dp_group) if g is not None]
             self.tp, self.dp_group = extra["groups"]
         return self.cmd_state_handle()
 
