@@ -658,5 +658,9 @@ def worker_main(conn: Connection, cfg: WorkerConfig) -> None:
             conn.send(("ok", handler(**kwargs)))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+        # Arguments can map other processes' shared memory (a switch's peer buffers, a probe's
+        # sources): holding them until the next command kept GBs alive and moved the unmapping
+        # into the next command, i.e. into a switch's pause.
+        del kwargs
     if dist.is_initialized():
         dist.destroy_process_group()
