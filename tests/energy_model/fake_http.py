@@ -98,6 +98,17 @@ class FakeServer:
         host, port = self._httpd.server_address[:2]
         return f"http://{host!s}:{port}"
 
+    def wait_for_hits(self, path: str, count: int, timeout_s: float = 10.0) -> int:
+        """Hits on `path` once they reach `count` (or after `timeout_s`).
+
+        A client that timed out has sent its request, but the server thread may read it later
+        than the client gives up on a loaded machine.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.hits[path] < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.hits[path]
+
     def route(self, path: str, *replies: Reply | Responder) -> None:
         """Answer `path` with these replies in order (the last repeats), or a responder."""
         if len(replies) == 1 and callable(replies[0]) and not isinstance(replies[0], Reply):

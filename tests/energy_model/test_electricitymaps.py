@@ -175,7 +175,7 @@ async def test_timeout_is_unavailable(fake_server: FakeServer, clock: FakeClock)
     with pytest.raises(ProviderUnavailable, match="timed out"):
         await p.get_forecast(3600)
     await p.aclose()
-    assert fake_server.hits["/carbon-intensity/latest"] == 2
+    assert fake_server.wait_for_hits("/carbon-intensity/latest", 2) == 2
 
 
 async def test_server_error_retried(
