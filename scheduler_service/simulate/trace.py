@@ -47,6 +47,8 @@ class TraceJob:
 
 def load_trace(path: Path, limit: int | None = None) -> list[TraceJob]:
     """Read `job_id,submission_time,num_iteration,model_name,deadline,batch_size,num_gpu,duration`."""
+    if limit is not None and limit < 1:
+        raise TraceError(f"--limit must be at least 1, got {limit}")
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
     jobs: list[TraceJob] = []

@@ -281,3 +281,10 @@ def test_policies_see_deadlines_early_only_while_they_can_still_make_them() -> N
     assert _spec(state, 0.0, 60.0).deadline_s == pytest.approx(940.0)
     # 500 s of work, 520 s left: the margin would make it look lost, so it is not applied.
     assert _spec(state, 480.0, 60.0).deadline_s == pytest.approx(520.0)
+
+
+def test_limit_below_one_is_an_error_not_one_job(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path, ["a,0,100,toy,,32,1,1", "b,5,100,toy,,32,1,1"])
+    assert [j.job_id for j in load_trace(trace, limit=1)] == ["a"]
+    with pytest.raises(TraceError, match="--limit must be at least 1"):
+        load_trace(trace, limit=0)
