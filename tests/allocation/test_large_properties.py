@@ -7,7 +7,6 @@ so the hard-budget check is per period, not over the whole horizon.
 from __future__ import annotations
 
 import itertools
-from datetime import UTC, datetime
 
 import numpy as np
 import pytest
@@ -25,10 +24,8 @@ from scheduler_service.allocation.problem import (
     plan_arrays,
 )
 from scheduler_service.allocation.solver import greedy_candidates, solve
-from tests.allocation.test_properties import check_hard_constraints
+from tests.allocation.test_properties import SLOT_S, START, check_hard_constraints
 
-START = datetime(2022, 6, 1, tzinfo=UTC)
-SLOT_S = 600.0
 FEW = settings(
     max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
