@@ -60,7 +60,12 @@ def report_table(report: SimulationReport) -> Table:
         ("p95 JCT", fmt(report.p95_jct_s, " s")),
         ("energy", fmt(report.energy_kwh, " kWh", 2)),
         ("emissions", fmt(report.emissions_kg, " kg CO2e", 3)),
-        ("budget", fmt(report.budget_kg, " kg", 3)),
+        ("budget (whole run)", fmt(report.budget_kg, " kg", 3)),
+        (
+            "budget allowance (incl. periods after the trace span)",
+            f"{fmt(report.budget_allowance_kg, ' kg', 3)}"
+            f" ({report.budget_periods_after_span} periods after the span)",
+        ),
         (
             "budget violations",
             f"{report.budget_violations} ({report.budget_overshoot_kg:.3f} kg over)",

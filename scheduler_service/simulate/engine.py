@@ -148,6 +148,10 @@ class SimulationReport:
     energy_kwh: float
     emissions_kg: float
     budget_kg: float | None
+    # What the periods the replay reached allowed in all: budget_kg, plus one share per day/week
+    # period after the trace's span that work ran into (None when unlimited).
+    budget_allowance_kg: float | None
+    budget_periods_after_span: int
     budget_violations: int
     budget_overshoot_kg: float
     gpu_utilisation: float
@@ -227,6 +231,7 @@ def simulate_trace(
     run_span_s = max(last_s - start_s, slot_s)
     periods = _budget_periods(config, start_s, run_span_s)
     spent_kg = [0.0] * len(periods)
+    periods_in_span = len(periods)
     period_share_kg = periods[0][2] if periods else 0.0
 
     states: dict[str, _JobState] = {}
@@ -349,6 +354,7 @@ def simulate_trace(
         jobs,
         states,
         periods,
+        periods_in_span,
         spent_kg,
         solver_times,
         busy_gpu_s,
@@ -371,6 +377,20 @@ def _budget_periods(
     count = max(1, math.ceil(span_s / length))
     share = config.budget_kg / count
     return [(start_s + i * length, start_s + (i + 1) * length, share) for i in range(count)]
+
+
+def _allowance(
+    config: SimulationConfig,
+    periods: list[tuple[float, float, float]],
+    periods_in_span: int,
+    end_s: float,
+) -> tuple[float | None, int]:
+    """(total kg the reached periods allowed, periods after the span that work ran into)."""
+    if config.budget_kg is None:
+        return None, 0
+    extra = periods[periods_in_span:]
+    reached = [share for begin, _, share in extra if begin < end_s - 1e-9]
+    return config.budget_kg + sum(reached), len(reached)
 
 
 def _extend_periods(
@@ -504,6 +524,7 @@ def _report(
     jobs: list[TraceJob],
     states: dict[str, _JobState],
     periods: list[tuple[float, float, float]],
+    periods_in_span: int,
     spent_kg: list[float],
     solver_times: list[float],
     busy_gpu_s: float,
@@ -547,6 +568,7 @@ def _report(
         max(0.0, spent - share) for (_, _, share), spent in zip(periods, spent_kg, strict=True)
     ]
     makespan = max(end_s - start_s, config.slot_s)
+    allowance_kg, extra_periods = _allowance(config, periods, periods_in_span, end_s)
     return SimulationReport(
         policy=config.policy,
         jobs=len(outcomes),
@@ -565,6 +587,8 @@ def _report(
         energy_kwh=sum(o.energy_kwh for o in outcomes),
         emissions_kg=sum(o.emissions_kg for o in outcomes),
         budget_kg=config.budget_kg,
+        budget_allowance_kg=allowance_kg,
+        budget_periods_after_span=extra_periods,
         budget_violations=sum(1 for x in overshoot if x > 1e-6),
         budget_overshoot_kg=sum(overshoot),
         gpu_utilisation=busy_gpu_s / (config.capacity_gpus * makespan),

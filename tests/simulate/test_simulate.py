@@ -123,6 +123,10 @@ def test_hard_budget_is_never_overspent(tmp_path: Path) -> None:
         # The trace spans one day; each further day of the replay gets the same budget again.
         days = math.ceil(report.makespan_s / 86_400.0)
         assert report.emissions_kg <= budget_kg * days * (1 + 1e-6), policy
+        # The report states what those days allowed in all, and never less than asked.
+        assert report.budget_allowance_kg is not None
+        assert report.budget_allowance_kg >= budget_kg
+        assert report.emissions_kg <= report.budget_allowance_kg * (1 + 1e-6), policy
 
 
 def test_forecast_and_model_error_runs_are_deterministic(tmp_path: Path) -> None:
@@ -271,6 +275,13 @@ def test_daily_budget_goes_on_past_the_trace_so_every_job_finishes(tmp_path: Pat
     assert capped.budget_violations == 0
     # A third of the work per day: about three times as long as unbudgeted.
     assert capped.makespan_s > 2.5 * free.makespan_s
+    # The trace spans one day; the days after it each brought the same share again, and the
+    # report says so instead of showing only the --budget-kg asked for.
+    days = math.ceil(capped.makespan_s / 86_400.0)
+    assert capped.budget_periods_after_span == days - 1 >= 2
+    assert config.budget_kg is not None
+    assert capped.budget_allowance_kg == pytest.approx(config.budget_kg * days)
+    assert free.budget_allowance_kg is None and free.budget_periods_after_span == 0
 
 
 def test_policies_see_deadlines_early_only_while_they_can_still_make_them() -> None:
