@@ -157,6 +157,14 @@ def simulate(
         raise typer.BadParameter("must be day, week or run", param_hint="--budget-period")
     nodes, per_node = parse_cluster(cluster)
     profile_dir = profiles or DEFAULT_PROFILES
+    if profiles is None and not DEFAULT_PROFILES.is_dir():
+        # The default is the shared data checkout beside the source tree; an installed copy
+        # has none, so say which option supplies the tables.
+        raise typer.BadParameter(
+            f"no scaling profiles at the default {DEFAULT_PROFILES}; pass --profiles DIR "
+            "(a directory of <model>.csv tables in the ElasticFlow throughputs_A100 format)",
+            param_hint="--profiles",
+        )
     try:
         trace = load_trace(jobs, limit=limit)
         series = load_intensity_csv(carbon)

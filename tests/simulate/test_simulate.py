@@ -299,3 +299,18 @@ def test_limit_below_one_is_an_error_not_one_job(tmp_path: Path) -> None:
     assert [j.job_id for j in load_trace(trace, limit=1)] == ["a"]
     with pytest.raises(TraceError, match="--limit must be at least 1"):
         load_trace(trace, limit=0)
+
+
+def test_cli_without_profiles_names_the_option_when_the_default_is_absent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An installed copy has no shared data checkout beside it: the default directory is missing.
+    monkeypatch.setattr("scheduler_service.simulate.cli.DEFAULT_PROFILES", tmp_path / "absent")
+    carbon = write_series(tmp_path, [100.0, 300.0] * 12)
+    trace = write_trace(tmp_path, ["a,0,36000,toy,5000,32,1,3600"])
+    out = tmp_path / "report.json"
+    args = ["simulate", "--jobs", str(trace), "--carbon", str(carbon), "--cluster", "1x4"]
+    result = CliRunner().invoke(_app(), [*args, "--policy", "static", "--out", str(out)])
+    assert result.exit_code == 2
+    assert "--profiles" in result.output and "absent" in result.output
+    assert not out.exists()
