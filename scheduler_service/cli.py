@@ -294,7 +294,9 @@ _register_commands()
 
 def main() -> None:
     """Entry point of the `greenflow` script."""
-    app()
+    from worker_agent.cli import run_app
+
+    run_app(app)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import socket
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
@@ -30,6 +29,25 @@ def _fail(message: str) -> NoReturn:
     """One-line error on stderr, exit code 2."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(USAGE_ERROR)
+
+
+def run_app(typer_app: typer.Typer) -> NoReturn:
+    """Run a CLI app (`greenflow`, the agent); a usage error is one plain line and exit code 2."""
+    try:
+        result = typer.main.get_command(typer_app).main(standalone_mode=False)
+    except typer.TyperException as exc:
+        # Typer draws usage errors in a wrapped rich box that scripts cannot grep; the message
+        # itself names the option and the problem.
+        message = exc.format_message()
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        if message:  # empty after `no_args_is_help` printed the help
+            typer.echo(f"error: {message}{hint}", err=True)
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        raise SystemExit(1) from None
+    raise SystemExit(result if isinstance(result, int) else 0)
 
 
 def _default_name() -> str:
@@ -161,7 +179,7 @@ def agent(
 
 def main() -> None:
     """Run `agent` as a stand-alone command."""
-    sys.exit(typer.main.get_command(_app()).main(standalone_mode=True))
+    run_app(_app())
 
 
 def _app() -> typer.Typer:
