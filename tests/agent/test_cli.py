@@ -38,6 +38,10 @@ def test_bad_input_is_one_line_exit_2() -> None:
     assert "--name" in _one_error_line(_agent(*base, "--simulate-gpus", "1", "--name", "a b"))
     line = _one_error_line(_agent("--scheduler", "ftp://x", "--token", "t", "--simulate-gpus", "1"))
     assert "--scheduler" in line
+    # Parse errors too: one plain line (no usage banner or box), naming the option.
+    unknown = _agent(*base, "--scheduler-url", "x")
+    assert "--scheduler-url" in _one_error_line(unknown)
+    assert len([x for x in unknown.stderr.splitlines() if x.strip()]) == 1, unknown.stderr
 
 
 def test_gpus_refused_without_enough_cuda_devices() -> None:

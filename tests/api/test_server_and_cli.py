@@ -112,6 +112,26 @@ def test_invalid_config_stops_start_up_with_one_line(tmp_path: Path) -> None:
     assert "not valid TOML" in result.stderr
 
 
+def test_usage_errors_are_one_plain_line_naming_the_option(tmp_path: Path) -> None:
+    env = {"GREENFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}"}
+    simulate = ["simulate", "--jobs", "t.csv", "--carbon", "c.csv", "--out", "r.json"]
+    cases = [
+        ([*simulate, "--policy", "static", "--cluster", "4"], "--cluster"),
+        ([*simulate, "--cluster", "2x8"], "--policy"),  # missing option
+        ([*simulate, "--cluster", "2x8", "--policy", "static", "--slot-s", "abc"], "--slot-s"),
+        ([*simulate, "--colour", "red"], "--colour"),
+        (["frobnicate"], "frobnicate"),
+    ]
+    for args, named in cases:
+        result = run_cli(args, env)
+        assert result.returncode == 2, (args, result.stderr)
+        # One line a script can grep, not typer's wrapped box.
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("error: ") and named in lines[0], lines[0]
+        assert "╭" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_serve_refuses_an_unmigrated_database(tmp_path: Path) -> None:
     env = {"GREENFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'empty.db'}"}
     result = run_cli(["serve"], env)
