@@ -1,0 +1,381 @@
+"""A lower bound on the average JCT that ANY scheduler can reach in the simulator (fluid LP).
+
+Used by bench/schedule_quality.py to tell a missed JCT target from an unreachable one: under a
+per-day carbon budget no policy's average JCT can beat `avg_jct_lower_bound`, so
+capped carbon-agnostic's average JCT / the bound caps the speed-up any policy could show.
+
+The relaxation, checked against `engine.simulate_trace`'s semantics:
+
+Slots. The time from the first submission to a horizon end H is cut at every step of the
+(wrapping) intensity series and at the budget windows' edges (below), so each slot has one
+intensity: running power P for any x-fraction of slot s emits exactly P * x * kg_per_w(s).
+
+Variables. x[j, c, s] >= 0: fraction of slot s that job j runs at allowed count c (switch stalls
+included: the simulator draws full power through them); y[j, s]: fraction of j's work done in s;
+tail[j]: fraction done after H. A replayed schedule maps to a feasible point:
+- sum_c x[j, c, s] <= the part of s after j's submission (a job runs at one count at a time
+  and only once it joined, which the engine does at or after its submission);
+- y[j, s] <= sum_c rate_c x[j, c, s] len_s / work_j (stalls make no progress: real <= nominal);
+  sum_s y[j, s] + tail[j] = 1; nothing constrains the tail, so every schedule fits, however long;
+- sum_{j,c} c x[j, c, s] <= capacity (the slot's time average of an instantaneous limit);
+- budget: the engine charges each applied interval's kg to the periods it overlaps in
+  proportion to time (not intensity), and an interval is at most one slot_s long. So period
+  i's charge is at least the exact emissions inside [B_i + slot_s, E_i - slot_s) (every interval
+  touching that window lies inside the period), and periods i and i+1 together at least those
+  inside [B_i + slot_s, E_{i+1} - slot_s). Both are constrained to the share(s) (the first
+  period needs no left margin: nothing runs before it). A policy that overspends its budget
+  (report.budget_violations > 0) is outside the bound.
+
+Objective, per job (release r, finish C, work fraction done f(t), p = work / max rate):
+JCT = C - r = int_r^C (1 - f) + int_r^C f.
+- int_r^C f >= p / 2: f rises at most 1/p per second, so f(t) >= 1 - (C - t) / p.
+- int_r^inf (1 - f) over slot s (a = max(start_s, r), F_s = f at the slot's end) is at least
+  (end_s - a)(1 - F_s) + p y_s^2 / 2: the y_s done in s take at least p y_s seconds, and
+  1 - f is smallest when they are done at full speed from a. Summed over slots,
+  sum_s (end_s - a)(1 - F_s) = sum_s y_s (a_s - r) + tail (H - r).
+- p y^2 / 2 is convex: it is bounded from below by the maximum of its tangents at
+  0, u/(M-1), ..., u (u = the most of the work the slot can hold), written as M segments of y
+  with those slopes (the LP fills the cheap ones first). Exact where a slot is used fully.
+So sum_j JCT_j >= LP optimum + sum_j p_j / 2. For one job alone with no budget and its
+fastest count within capacity, this is exactly its run time at that count when it ends at a
+slot edge (and within p u^2 / (8 (M-1)^2) of it otherwise). Tail work (past H) costs H - r,
+so the bound is valid for any H; H is extended until the tail is unused, which only tightens it.
+
+The answer is not the LP's primal value but a Lagrangian dual value from HiGHS's duals (every
+variable is boxed), a bound by weak duality whatever the solver's tolerances were.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import linprog
+
+from energy_model.carbon.series import IntensitySeries
+from energy_model.profiles import ScalingProfile
+from scheduler_service.simulate.engine import (
+    PERIOD_S,
+    CarbonClock,
+    SimulationConfig,
+    _budget_periods,
+    _extend_periods,
+)
+from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
+
+# Tangent points of the p y^2 / 2 term per job-slot (M above).
+SEGMENTS = 4
+# Work fraction left past the horizon below which the horizon counts as long enough.
+TAIL_TOLERANCE = 1e-7
+
+
+class BoundError(RuntimeError):
+    """The LP could not be solved (the message says how it ended)."""
+
+
+@dataclass(frozen=True)
+class JctBound:
+    """Lower bound on the average JCT of a job set under one simulator configuration."""
+
+    avg_jct_s: float  # the bound (Lagrangian dual value, valid whatever the solver tolerances)
+    lp_avg_jct_s: float  # the LP's primal optimum for comparison (>= avg_jct_s up to tolerance)
+    jobs: int
+    horizon_s: float  # horizon end H in trace seconds
+    tail_work: float  # summed work fractions the LP left past H (0: H long enough)
+    slots: int
+    variables: int
+    solve_s: float
+
+
+def avg_jct_lower_bound(
+    jobs: list[TraceJob],
+    series: IntensitySeries,
+    profiles: dict[str, ScalingProfile],
+    config: SimulationConfig,
+    *,
+    only: Collection[str] | None = None,
+    segments: int = SEGMENTS,
+    max_rounds: int = 4,
+) -> JctBound:
+    """Lower bound on avg JCT of `jobs` (or the ids in `only`) replayed under `config`."""
+    if not jobs:
+        raise ValueError("no jobs")
+    # Budget periods exactly as the replay of all of `jobs` sets them (rejected jobs included).
+    start_s = jobs[0].submission_s
+    last_s = max(
+        max(j.submission_s, j.deadline_s or 0.0, j.submission_s + j.duration_s) for j in jobs
+    )
+    periods = _budget_periods(config, start_s, max(last_s - start_s, config.slot_s))
+    chosen = [j for j in jobs if only is None or j.job_id in only]
+    if not chosen:
+        raise ValueError("no job selected")
+    tables = [job_tables(j, profiles, config.capacity_gpus) for j in chosen]
+    clock = CarbonClock(series, config.pue)
+    horizon_s = _first_horizon(chosen, tables, clock, config, periods, start_s)
+    began = time.perf_counter()
+    result = None
+    for _ in range(max_rounds):
+        result = _solve(chosen, tables, clock, config, periods, start_s, horizon_s, segments)
+        if result.tail_work <= TAIL_TOLERANCE:
+            break
+        horizon_s = start_s + 2 * (horizon_s - start_s)
+    assert result is not None
+    return JctBound(
+        avg_jct_s=float(result.bound_sum_s / len(chosen)),
+        lp_avg_jct_s=float(result.primal_sum_s / len(chosen)),
+        jobs=len(chosen),
+        horizon_s=float(horizon_s),
+        tail_work=result.tail_work,
+        slots=result.slots,
+        variables=result.variables,
+        solve_s=time.perf_counter() - began,
+    )
+
+
+def _first_horizon(
+    jobs: list[TraceJob],
+    tables: list[JobTables],
+    clock: CarbonClock,
+    config: SimulationConfig,
+    periods: list[tuple[float, float, float]],
+    start_s: float,
+) -> float:
+    """A horizon end likely long enough (any is valid, see the module docstring): last release
+    + least GPU-seconds / capacity + days of least-kg work at the budget's daily rate and the
+    series' mean intensity + the longest job at full speed."""
+    gpu_s = 0.0
+    joules = 0.0
+    longest_s = 0.0
+    for job, table in zip(jobs, tables, strict=True):
+        rates = np.asarray(table.throughput_samples_per_s)
+        gpu_s += job.total_samples * float(np.min(np.asarray(table.allowed_gpus) / rates))
+        joules += job.total_samples * float(np.min(np.asarray(table.power_w) / rates))
+        longest_s = max(longest_s, job.total_samples / float(rates.max()))
+    span_s = max(j.submission_s for j in jobs) - start_s
+    horizon = span_s + gpu_s / config.capacity_gpus + longest_s
+    if periods:
+        kg_per_w_s = clock.kg_per_w(0.0, clock.span_s) / clock.span_s
+        least_kg = joules * kg_per_w_s
+        first, end, share_kg = periods[0]
+        length_s = end - first if math.isfinite(end) else math.inf
+        if math.isfinite(length_s) and share_kg > 0:
+            horizon += 1.5 * least_kg / share_kg * length_s + length_s
+    return start_s + max(horizon, config.slot_s)
+
+
+@dataclass(frozen=True)
+class _Solved:
+    bound_sum_s: float
+    primal_sum_s: float
+    tail_work: float
+    slots: int
+    variables: int
+
+
+def _boundaries(
+    clock: CarbonClock,
+    config: SimulationConfig,
+    windows: list[tuple[float, float, float]],
+    start_s: float,
+    horizon_s: float,
+) -> np.ndarray:
+    """Slot edges in [start_s, horizon_s]: every step of the wrapping series and window edge."""
+    steps = np.array([(t - clock.origin).total_seconds() for t in clock.series.times])
+    first_wrap = math.floor(start_s / clock.span_s)
+    last_wrap = math.floor(horizon_s / clock.span_s)
+    marks = [steps + k * clock.span_s for k in range(first_wrap, last_wrap + 1)]
+    edges = np.concatenate(
+        [
+            *marks,
+            np.array([start_s, horizon_s]),
+            np.array([w[0] for w in windows]),
+            np.array([w[1] for w in windows]),
+        ]
+    )
+    edges = edges[(edges >= start_s) & (edges <= horizon_s) & np.isfinite(edges)]
+    edges = np.unique(edges)
+    # Float noise would leave sliver slots: merge edges closer than a millisecond.
+    keep = np.concatenate([[True], np.diff(edges) > 1e-3])
+    return edges[keep]
+
+
+def _windows(
+    config: SimulationConfig,
+    periods: list[tuple[float, float, float]],
+    start_s: float,
+    horizon_s: float,
+) -> list[tuple[float, float, float]]:
+    """(from_s, to_s, kg): emissions inside [from_s, to_s) are at most kg (module docstring)."""
+    if not periods:
+        return []
+    if not math.isfinite(periods[0][1]):
+        return [(start_s, horizon_s, periods[0][2])]
+    margin = config.slot_s
+    out = []
+    for i, (begin, end, share) in enumerate(periods):
+        if begin >= horizon_s:
+            break
+        left = begin + margin if i > 0 else begin
+        out.append((left, min(end - margin, horizon_s), share))
+        if i + 1 < len(periods):
+            after_end, after_share = periods[i + 1][1], periods[i + 1][2]
+            out.append((left, min(after_end - margin, horizon_s), share + after_share))
+    return [w for w in out if w[1] > w[0]]
+
+
+def _solve(
+    jobs: list[TraceJob],
+    tables: list[JobTables],
+    clock: CarbonClock,
+    config: SimulationConfig,
+    periods_in_span: list[tuple[float, float, float]],
+    start_s: float,
+    horizon_s: float,
+    segments: int,
+) -> _Solved:
+    """Build and solve the LP of the module docstring over [start_s, horizon_s)."""
+    periods = list(periods_in_span)
+    if periods and config.budget_period in PERIOD_S:
+        spent = [0.0] * len(periods)
+        _extend_periods(config, periods, spent, periods[0][2], horizon_s + PERIOD_S["day"])
+    windows = _windows(config, periods, start_s, horizon_s)
+    edges = _boundaries(clock, config, windows, start_s, horizon_s)
+    begin, end = edges[:-1], edges[1:]
+    length = end - begin
+    num_slots = len(begin)
+    kg_per_w = np.array([clock.kg_per_w(a, b) for a, b in zip(begin, end, strict=True)])
+
+    cost: list[np.ndarray] = []
+    upper: list[np.ndarray] = []
+    rows: list[np.ndarray] = []  # A_ub in COO
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    b_ub: list[np.ndarray] = []
+    eq_cols: list[np.ndarray] = []
+    eq_rows: list[np.ndarray] = []
+    # Per-slot GPU use and per-slot power coefficients of x, gathered for capacity and budget.
+    x_slot: list[np.ndarray] = []
+    x_cols: list[np.ndarray] = []
+    x_gpus: list[np.ndarray] = []
+    x_power: list[np.ndarray] = []
+    tail_cols: list[int] = []
+    constant_s = 0.0
+    n_var = 0
+    n_row = 0
+    for j, (job, table) in enumerate(zip(jobs, tables, strict=True)):
+        release = job.submission_s
+        work = job.total_samples
+        rates = np.asarray(table.throughput_samples_per_s)
+        p_s = work / rates.max()
+        constant_s += p_s / 2
+        first = max(0, int(np.searchsorted(edges, release, side="right")) - 1)
+        s_idx = np.arange(first, num_slots)
+        s_count = len(s_idx)
+        a = np.maximum(begin[s_idx], release)
+        avail = np.clip((end[s_idx] - a) / length[s_idx], 0.0, 1.0)
+        n_counts = len(rates)
+        # x[s, c], row-major by slot.
+        x_base = n_var
+        x_ids = x_base + np.arange(s_count * n_counts).reshape(s_count, n_counts)
+        n_var += s_count * n_counts
+        cost.append(np.zeros(s_count * n_counts))
+        upper.append(np.repeat(avail, n_counts))
+        # Segments z[s, m] of y[s]: tangent points 0, u/(M-1), ..., u.
+        u = np.minimum(1.0, avail * length[s_idx] / p_s)
+        m = max(1, segments)
+        if m == 1:
+            widths = u[:, None]
+            slopes = np.zeros((s_count, 1))
+        else:
+            frac = np.full(m, 1.0 / (m - 1))
+            frac[0] = frac[-1] = 0.5 / (m - 1)
+            widths = u[:, None] * frac[None, :]
+            slopes = p_s * u[:, None] * (np.arange(m) / (m - 1))[None, :]
+        z_ids = n_var + np.arange(s_count * m).reshape(s_count, m)
+        n_var += s_count * m
+        cost.append(((a - release)[:, None] + slopes).ravel())
+        upper.append(widths.ravel())
+        tail_cols.append(n_var)
+        cost.append(np.array([horizon_s - release]))
+        upper.append(np.array([1.0]))
+        n_var += 1
+        # Row: sum_c x[s, c] <= avail[s].
+        run_rows = n_row + np.arange(s_count)
+        n_row += s_count
+        rows.append(np.repeat(run_rows, n_counts))
+        cols.append(x_ids.ravel())
+        vals.append(np.ones(s_count * n_counts))
+        b_ub.append(avail)
+        # Row: sum_m z[s, m] - sum_c rate_c len_s / work x[s, c] <= 0.
+        prog_rows = n_row + np.arange(s_count)
+        n_row += s_count
+        rows.append(np.repeat(prog_rows, m))
+        cols.append(z_ids.ravel())
+        vals.append(np.ones(s_count * m))
+        rows.append(np.repeat(prog_rows, n_counts))
+        cols.append(x_ids.ravel())
+        vals.append((-(length[s_idx, None] * rates[None, :]) / work).ravel())
+        b_ub.append(np.zeros(s_count))
+        # Row (eq): sum z + tail = 1.
+        eq_cols.append(np.concatenate([z_ids.ravel(), [tail_cols[-1]]]))
+        eq_rows.append(np.full(s_count * m + 1, j))
+        x_slot.append(np.repeat(s_idx, n_counts))
+        x_cols.append(x_ids.ravel())
+        x_gpus.append(np.tile(np.asarray(table.allowed_gpus, dtype=float), s_count))
+        x_power.append(np.tile(np.asarray(table.power_w), s_count))
+    all_x_cols = np.concatenate(x_cols)
+    slot_of_x = np.concatenate(x_slot)
+    # Capacity rows: sum c x <= capacity, per slot.
+    rows.append(n_row + slot_of_x)
+    cols.append(all_x_cols)
+    vals.append(np.concatenate(x_gpus))
+    b_ub.append(np.full(num_slots, float(config.capacity_gpus)))
+    n_row += num_slots
+    # Budget rows: sum P kg_per_w x over the window's slots <= kg.
+    power_kg = np.concatenate(x_power) * kg_per_w[slot_of_x]
+    for w_from, w_to, kg in windows:
+        inside = (begin[slot_of_x] >= w_from - 1e-6) & (end[slot_of_x] <= w_to + 1e-6)
+        if not inside.any():
+            continue
+        rows.append(np.full(int(inside.sum()), n_row))
+        cols.append(all_x_cols[inside])
+        vals.append(power_kg[inside])
+        b_ub.append(np.array([kg]))
+        n_row += 1
+    c_vec = np.concatenate(cost)
+    ub = np.concatenate(upper)
+    a_ub = sp.csr_array(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n_row, n_var)
+    )
+    b_vec = np.concatenate(b_ub)
+    ec = np.concatenate(eq_cols)
+    a_eq = sp.csr_array((np.ones(len(ec)), (np.concatenate(eq_rows), ec)), shape=(len(jobs), n_var))
+    b_eq = np.ones(len(jobs))
+    res = linprog(
+        c_vec,
+        A_ub=a_ub,
+        b_ub=b_vec,
+        A_eq=a_eq,
+        b_eq=b_eq,
+        bounds=np.column_stack([np.zeros(n_var), ub]),
+        method="highs",
+    )
+    if res.status != 0:
+        raise BoundError(f"JCT bound LP ended with status {res.status}: {res.message}")
+    # Weak duality with any multipliers (y_ub <= 0 as scipy signs them): a bound for sure.
+    y_ub = np.minimum(np.asarray(res.ineqlin.marginals), 0.0)
+    y_eq = np.asarray(res.eqlin.marginals)
+    reduced = c_vec - a_ub.T @ y_ub - a_eq.T @ y_eq
+    dual = float(np.minimum(reduced * 0.0, reduced * ub).sum() + y_ub @ b_vec + y_eq @ b_eq)
+    tail = float(res.x[np.asarray(tail_cols)].sum())
+    return _Solved(
+        bound_sum_s=dual + constant_s,
+        primal_sum_s=float(res.fun) + constant_s,
+        tail_work=tail,
+        slots=num_slots,
+        variables=n_var,
+    )

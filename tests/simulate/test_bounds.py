@@ -1,0 +1,145 @@
+"""The average-JCT lower bound: exact on one job alone, never above what any policy measures."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from energy_model.carbon.series import IntensitySeries, load_intensity_csv
+from energy_model.profiles import ScalingProfile, load_scaling_profiles
+from scheduler_service.allocation.policies import POLICIES
+from scheduler_service.simulate.bounds import SEGMENTS, avg_jct_lower_bound
+from scheduler_service.simulate.engine import SimulationConfig, simulate_trace
+from scheduler_service.simulate.trace import TraceJob, load_trace
+
+T0 = datetime(2021, 1, 1, tzinfo=UTC)
+# One model: 10 it/s on 1 GPU, 18 on 2, 30 on 4 at global batch 32 (960 samples/s at 4 GPUs).
+TOY = {"toy": ScalingProfile("toy", {32: {1: 10.0, 2: 18.0, 4: 30.0}})}
+
+
+def hourly(values: list[float]) -> IntensitySeries:
+    return IntensitySeries(
+        tuple(T0 + timedelta(hours=i) for i in range(len(values))), tuple(values), source="test"
+    )
+
+
+def toy_job(
+    job_id: str, release_s: float, iterations: int, deadline_s: float | None = None
+) -> TraceJob:
+    return TraceJob(job_id, release_s, iterations, "toy", deadline_s, 32, 4, 3600.0)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_one_job_alone_bound_is_its_run_time_at_full_speed(policy: str) -> None:
+    # 108,000 iterations at 30 it/s: 3,600 s on 4 GPUs, released on an hour mark, so it ends on
+    # a slot edge: every slot it uses is used fully, where the LP's terms are exact, and the bound
+    # is its run time (no schedule can finish it sooner; running at 4 GPUs at once achieves it).
+    series = hourly([300.0, 80.0, 120.0])
+    job = toy_job("a", 7200.0, 108_000)
+    config = SimulationConfig(policy=policy, num_nodes=1, gpus_per_node=4)
+    bound = avg_jct_lower_bound([job], series, TOY, config)
+    assert bound.avg_jct_s == pytest.approx(3600.0, rel=1e-9)
+    assert bound.tail_work == 0.0
+    report = simulate_trace([job], series, TOY, config)
+    assert bound.avg_jct_s <= report.avg_jct_all_s + 1e-6  # type: ignore[operator]
+
+
+def test_one_job_released_mid_slot_is_within_the_tangent_error() -> None:
+    # 5,400 s at full speed from 1,000 s past an hour mark: the last slot is used 2,800 s of
+    # 3,600, where p y^2 / 2 is taken from its tangents (at most p u^2 / (8 (M-1)^2) below).
+    series = hourly([300.0, 80.0, 120.0])
+    job = toy_job("a", 8200.0, 162_000)
+    config = SimulationConfig(policy="carbon-agnostic", num_nodes=1, gpus_per_node=4)
+    bound = avg_jct_lower_bound([job], series, TOY, config)
+    run_s = 5400.0
+    u = 3600.0 / run_s
+    assert run_s - run_s * u**2 / (8 * (SEGMENTS - 1) ** 2) <= bound.avg_jct_s <= run_s + 1e-6
+    report = simulate_trace([job], series, TOY, config)
+    assert report.avg_jct_all_s == pytest.approx(run_s)
+
+
+def test_a_daily_budget_bound_matches_the_hand_computed_fluid_value() -> None:
+    # 48 h of work on the one GPU at a flat intensity; each day's budget pays for 12 h of it.
+    # Best fluid schedule: 12 h at the start of each day, so the unfinished fraction 1 - f is
+    # 1 -> 3/4 over 12 h, 3/4 for 12 h, 3/4 -> 1/2, ... : A = int (1 - f) = 10.5 + 9 + 7.5 + 6
+    # + 4.5 + 3 + 1.5 = 42 h, plus p / 2 = 24 h: 66 h. The LP may run a little more in the
+    # slot-wide margins around each day edge (the replay charges an interval across an edge to
+    # both days by time), which it may use at most once per edge: < 1 h below 66 h in all.
+    series = hourly([300.0] * 24)
+    job = toy_job("a", 0.0, 1_728_000)
+    free_config = SimulationConfig(policy="static", num_nodes=1, gpus_per_node=1)
+    free = simulate_trace([job], series, TOY, free_config)
+    capped_config = replace(free_config, budget_kg=free.emissions_kg / 4, budget_period="day")
+    free_bound = avg_jct_lower_bound([job], series, TOY, free_config)
+    capped_bound = avg_jct_lower_bound([job], series, TOY, capped_config)
+    assert free_bound.avg_jct_s == pytest.approx(48 * 3600.0, rel=1e-9)
+    assert 65 * 3600.0 < capped_bound.avg_jct_s <= 66 * 3600.0 + 1e-6
+    assert capped_bound.tail_work == 0.0
+    capped = simulate_trace([job], series, TOY, capped_config)
+    assert capped.budget_violations == 0 and capped.unfinished == 0
+    assert capped_bound.avg_jct_s <= capped.avg_jct_all_s  # type: ignore[operator]
+
+
+def check_every_policy(
+    jobs: list[TraceJob],
+    series: IntensitySeries,
+    profiles: dict[str, ScalingProfile],
+    cluster: tuple[int, int],
+    horizon_slots: int,
+) -> None:
+    """Bound <= measured avg JCT for every policy, uncapped (admitted jobs) and capped."""
+    base = SimulationConfig(
+        "carbon-agnostic",
+        *cluster,
+        horizon_slots=horizon_slots,
+        time_limit_s=0.5,
+    )
+    bounds: dict[tuple[float | None, frozenset[str]], float] = {}
+
+    def check(config: SimulationConfig) -> float:
+        report = simulate_trace(jobs, series, profiles, config)
+        assert report.unfinished == 0 and report.budget_violations == 0, config.policy
+        admitted = frozenset(o.job_id for o in report.outcomes if o.admitted)
+        key = (config.budget_kg, admitted)
+        if key not in bounds:
+            bound = avg_jct_lower_bound(jobs, series, profiles, config, only=admitted)
+            assert bound.tail_work == 0.0
+            bounds[key] = bound.avg_jct_s
+        measured = report.avg_jct_all_s
+        assert measured is not None
+        assert bounds[key] <= measured * (1 + 1e-9), (config.policy, config.budget_kg)
+        return report.emissions_kg
+
+    for policy in POLICIES:
+        check(replace(base, policy=policy))
+    reference_kg = check(replace(base, best_effort=True))
+    capped = replace(base, best_effort=True, budget_kg=reference_kg * 0.5, budget_period="day")
+    for policy in POLICIES:
+        check(replace(capped, policy=policy))
+    # The budget binds: under it the bound is higher than without it.
+    all_ids = frozenset(j.job_id for j in jobs)
+    assert bounds[(capped.budget_kg, all_ids)] > bounds[(None, all_ids)]
+
+
+def test_bound_is_below_every_policy_on_a_small_contended_trace() -> None:
+    # Five jobs on 4 GPUs, arrivals inside slots, two with deadlines, a varying intensity.
+    series = hourly([400.0, 50.0, 200.0, 120.0] * 6)
+    jobs = [
+        toy_job("a", 0.0, 108_000, 9000.0),
+        toy_job("b", 500.0, 54_000),
+        toy_job("c", 1300.0, 200_000, 20_000.0),
+        toy_job("d", 4000.0, 30_000),
+        toy_job("e", 4100.0, 150_000),
+    ]
+    check_every_policy(jobs, series, TOY, (1, 4), horizon_slots=16)
+
+
+def test_bound_is_below_every_policy_on_a_public_trace_slice(shared_data: Path) -> None:
+    ef = shared_data / "elasticflow"
+    jobs = load_trace(ef / "itp" / "cluster01.csv", limit=12)
+    series = load_intensity_csv(shared_data / "carbon" / "electricitymaps" / "ES_2021_hourly.csv")
+    profiles = load_scaling_profiles(ef / "throughputs_A100")
+    check_every_policy(jobs, series, profiles, (1, 8), horizon_slots=24)
