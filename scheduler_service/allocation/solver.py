@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -75,18 +75,31 @@ REPAIR_MAX_JOBS = 100
 # Moves the repair tries at most (a count, not a clock, so results do not depend on load).
 REPAIR_MAX_TRIALS = 2000
 # Time estimates per (valid option x slot) cell, measured on the 2-core dev machine: HiGHS on
-# the compact LP 1.8 s (quiet) to 14 s (load 6) at 1,000 jobs x 48 slots (~260k cells); one
-# greedy round plus its evaluation ~0.04 s there (load 2). Pessimistic on purpose (a loaded
-# machine must still fit the limit); they only decide what runs, from the size alone.
+# the compact LP 1.8 s (quiet) to 14 s (load 6) at 1,000 jobs x 48 slots (~260k cells), its two
+# roundings included (0.15 s for LP + roundings at 40 jobs x 48 slots against 0.22 s estimated);
+# one greedy round plus its evaluation 0.084 s there and 0.6-0.7 ms per slot however few the
+# jobs (0.011 s at 20 jobs x 16 slots, load 2). Pessimistic on purpose (a loaded machine must
+# still fit the limit); they only decide what runs, from the size alone.
 LP_SECONDS_PER_CELL = 2e-5
 GREEDY_SECONDS_PER_CELL = 3e-7
+GREEDY_SECONDS_PER_SLOT = 6e-4
 GREEDY_MAX_PASSES = 4
-# The baselines' plans are candidates too while they fit a quarter of the time limit by this
-# estimate (all five together: 0.07 s at 100 jobs x 48 slots, 1.8 s at 1,000 jobs, load ~3.5).
-# Why: under tight hard budgets split into several periods, which deadlines to keep is a
-# knapsack; at 20-60 jobs x 8-16 slots a baseline's choice sometimes kept one more deadline than
-# the heuristic's and the LP roundings (property test, tests/allocation/test_large_properties.py).
+# The baselines' plans are candidates too while they fit by this estimate (all five together:
+# 0.07 s at 100 jobs x 48 slots, 1.8 s at 1,000 jobs, load ~3.5). Why: under tight hard
+# budgets split into several periods, which deadlines to keep is a knapsack; at 20-60 jobs x
+# 8-16 slots a baseline's choice sometimes kept one more deadline than the heuristic's and the
+# LP roundings (property test, tests/allocation/test_large_properties.py).
 BASELINE_SECONDS_PER_CELL = 8e-6
+# One deadline-repair move: a whole-plan evaluation (0.3 ms at 20 jobs x 16 slots, 0.8 ms at
+# 100 x 48, 6.5 ms at 1,000 x 48, load 2) plus copying the plan.
+REPAIR_SECONDS_PER_TRIAL = 5e-4
+REPAIR_SECONDS_PER_CELL = 3e-8
+# Share of the time limit one step may take at most, so that no step starves the ones decided
+# after it; all steps together also stay within the limit (see SolveSteps).
+GREEDY_SHARE = 0.6
+LP_SHARE = 0.5
+MIP_SHARE = 0.5
+BASELINES_SHARE = 0.25
 
 
 class SolverError(RuntimeError):
@@ -458,31 +471,31 @@ def greedy_candidates(
     prefer: dict[str, int] | None,
     finish: np.ndarray | None,
     passes: int,
+    *,
+    reservation: tuple[np.ndarray, np.ndarray] | None = None,
+    chase: bool | None = None,
 ) -> list[tuple[dict[str, tuple[int, ...]], PlanEvaluation]]:
     """Plans of the reservation + pricing heuristic (greedy.py), `passes` rounds.
 
     Round one values work against the horizon's end (or the warm start's finish times); each
     later round values it against the finish times of the round before, damped by half so the
     rounds settle instead of oscillating (measured: 5.7 % -> 2.4 % above the LP without
-    deadlines on 1,000 jobs x 48 slots).
+    deadlines on 1,000 jobs x 48 slots). `reservation`: (protect, reserved) from
+    `deadline_reservation` (computed when None); `chase`: run the chase round (None: whenever
+    `needs_chase`).
     """
-    protect = np.array(
-        [j.deadline_s is not None and not problem.deadline_impossible(j) for j in problem.jobs],
-        dtype=bool,
+    protect, reserved = (
+        deadline_reservation(problem, arrays) if reservation is None else reservation
     )
     start = None
     if prefer is not None:
         start = np.array(
             [j.index_of(prefer.get(j.job_id, j.current_gpus)) for j in problem.jobs], dtype=np.int64
         )
-    reserved = best_reservation(problem, arrays, protect)
     out = []
-    # Deadline jobs that could meet their deadline alone but got no reservation (overload):
-    # one more round values their deadline work at the miss weight (measured at 5,000 x 8,192:
-    # 1,111 vs 1,109 deadlines met; at 1,000 x 256 no gain, so it is a candidate, not the rule).
-    needs = effective_deadlines(problem, arrays)[1] > 0
-    unreserved = bool((protect & needs & ~(reserved >= 0).any(axis=1)).any())
-    rounds = [False] * passes + ([True] if unreserved else [])
+    if chase is None:
+        chase = needs_chase(problem, arrays, protect, reserved)
+    rounds = [False] * passes + ([True] if chase else [])
     for chase in rounds:
         plan = greedy_plan(
             problem,
@@ -505,6 +518,30 @@ def greedy_candidates(
     return out
 
 
+def deadline_reservation(
+    problem: AllocationProblem, arrays: PlanArrays
+) -> tuple[np.ndarray, np.ndarray]:
+    """(jobs whose deadline the greedy protects, their `best_reservation`)."""
+    protect = np.array(
+        [j.deadline_s is not None and not problem.deadline_impossible(j) for j in problem.jobs],
+        dtype=bool,
+    )
+    return protect, best_reservation(problem, arrays, protect)
+
+
+def needs_chase(
+    problem: AllocationProblem, arrays: PlanArrays, protect: np.ndarray, reserved: np.ndarray
+) -> bool:
+    """Whether a deadline job that could meet its deadline alone got no reservation (overload).
+
+    Then one more greedy round values their deadline work at the miss weight (measured at
+    5,000 x 8,192: 1,111 vs 1,109 deadlines met; at 1,000 x 256 no gain, so it is a candidate,
+    not the rule).
+    """
+    needs = effective_deadlines(problem, arrays)[1] > 0
+    return bool((protect & needs & ~(reserved >= 0).any(axis=1)).any())
+
+
 def _runs_after_finish(
     problem: AllocationProblem, gpus: dict[str, tuple[int, ...]], ev: PlanEvaluation
 ) -> bool:
@@ -520,22 +557,122 @@ def _runs_after_finish(
     return False
 
 
-def lp_affordable(arrays: PlanArrays, num_slots: int, time_limit_s: float) -> bool:
-    """Whether the horizon LP fits half the time limit, estimated from its size (deterministic)."""
+def greedy_round_s(arrays: PlanArrays, num_slots: int) -> float:
+    """Size estimate of one greedy round with its evaluation (seconds)."""
     cells = int(arrays.valid.sum()) * num_slots
-    return cells * LP_SECONDS_PER_CELL <= 0.5 * time_limit_s
+    return cells * GREEDY_SECONDS_PER_CELL + num_slots * GREEDY_SECONDS_PER_SLOT
 
 
-def mip_affordable(binaries: int, max_binaries: int, time_limit_s: float) -> bool:
-    """Whether a MIP of this many binaries runs: size cap, and its estimated time fits half the
-    time limit (from the size, not the clock)."""
-    return binaries <= max_binaries and binaries * MIP_SECONDS_PER_BINARY <= 0.5 * time_limit_s
+def near_deadline_slots(problem: AllocationProblem) -> int | None:
+    """Slots the near-deadline MIP covers: up to the last deadline inside the horizon (None: no
+    such deadline, or it would cover the whole horizon)."""
+    deadlines = [
+        j.deadline_s
+        for j in problem.jobs
+        if j.deadline_s is not None and 0 < j.deadline_s < problem.horizon_s
+    ]
+    if not deadlines:
+        return None
+    slots = int(np.ceil(max(deadlines) / problem.slot_s))
+    return slots if slots < problem.num_slots else None
 
 
-def baselines_affordable(arrays: PlanArrays, num_slots: int, time_limit_s: float) -> bool:
-    """Whether the baselines' plans fit a quarter of the time limit, estimated from size."""
+@dataclass(frozen=True)
+class SolveSteps:
+    """Which steps `solve` runs, decided from the problem's size and the time limit only.
+
+    One budget, the time limit, is shared: in the order below each optional step runs only when
+    its size estimate fits its own share of the limit and what the steps before it left, so the
+    estimates of the steps that run add up to at most the limit. The first greedy round runs in
+    any case (without it there may be no plan); a forced LP (`use_lp=True`) is charged even when
+    it does not fit. Order: first greedy round, LP with its roundings, near-deadline MIP, exact
+    MIP, baselines, further greedy rounds, the chase round, deadline-repair moves (as many as
+    what is left pays for). Candidate evaluations and the plan's report are not estimated.
+    """
+
+    greedy_rounds: int
+    chase: bool
+    lp: bool
+    near_mip_slots: int | None
+    exact_mip: bool
+    baselines: bool
+    repair_trials: int
+    estimates_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        """Summed size estimates of the steps that may run (seconds)."""
+        return float(sum(self.estimates_s.values()))
+
+
+def plan_steps(
+    problem: AllocationProblem,
+    arrays: PlanArrays,
+    time_limit_s: float,
+    *,
+    use_lp: bool | None = None,
+    chase: bool = False,
+) -> SolveSteps:
+    """The steps `solve` runs within `time_limit_s`, by size estimates (see SolveSteps).
+
+    `chase`: some deadline job got no reservation, so the chase round is wanted.
+    """
+    num_slots = problem.num_slots
     cells = int(arrays.valid.sum()) * num_slots
-    return cells * BASELINE_SECONDS_PER_CELL <= 0.25 * time_limit_s
+    spent: dict[str, float] = {}
+
+    def take(name: str, estimate_s: float, share: float, before_s: float = 0.0) -> bool:
+        """Charge the step when it fits its share (less `before_s` of it already taken) and
+        what is left of the limit."""
+        left_s = time_limit_s - sum(spent.values())
+        if estimate_s <= share * time_limit_s - before_s and estimate_s <= left_s:
+            spent[name] = estimate_s
+            return True
+        return False
+
+    round_s = greedy_round_s(arrays, num_slots)
+    spent["greedy"] = round_s
+    lp_s = cells * LP_SECONDS_PER_CELL
+    if use_lp:
+        spent["lp"] = lp_s
+    run_lp = bool(use_lp) or (use_lp is None and take("lp", lp_s, LP_SHARE))
+    near = near_deadline_slots(problem) if run_lp else None
+    if near is not None:
+        binaries = int(arrays.valid.sum()) * near * 2
+        if binaries > NEAR_MAX_BINARIES or not take(
+            "near_mip", binaries * MIP_SECONDS_PER_BINARY, MIP_SHARE
+        ):
+            near = None
+    binaries = cells * 2
+    exact = (
+        run_lp
+        and binaries <= EXACT_MAX_BINARIES
+        and take("exact_mip", binaries * MIP_SECONDS_PER_BINARY, MIP_SHARE)
+    )
+    baselines = take("baselines", cells * BASELINE_SECONDS_PER_CELL, BASELINES_SHARE)
+    rounds = 1
+    while rounds < GREEDY_MAX_PASSES and take(
+        f"greedy_{rounds + 1}", round_s, GREEDY_SHARE, rounds * round_s
+    ):
+        rounds += 1
+    chase = chase and take("chase", round_s, 1.0)
+    trials = 0
+    if run_lp and len(problem.jobs) <= REPAIR_MAX_JOBS:
+        trial_s = REPAIR_SECONDS_PER_TRIAL + cells * REPAIR_SECONDS_PER_CELL
+        left_s = max(0.0, time_limit_s - sum(spent.values()))
+        trials = min(REPAIR_MAX_TRIALS, int(left_s // trial_s))
+        if trials > 0:
+            spent["repair"] = trials * trial_s
+    return SolveSteps(
+        greedy_rounds=rounds,
+        chase=chase,
+        lp=run_lp,
+        near_mip_slots=near,
+        exact_mip=exact,
+        baselines=baselines,
+        repair_trials=trials,
+        estimates_s=spent,
+    )
 
 
 def baseline_plans(
@@ -559,14 +696,6 @@ def baseline_plans(
     return out
 
 
-def greedy_passes(arrays: PlanArrays, num_slots: int, time_limit_s: float) -> int:
-    """Rounds of the greedy that fit 60 % of the time limit, estimated from size (at least 1)."""
-    cells = int(arrays.valid.sum()) * num_slots
-    return int(
-        min(GREEDY_MAX_PASSES, max(1, 0.6 * time_limit_s // (cells * GREEDY_SECONDS_PER_CELL)))
-    )
-
-
 def solve(
     problem: AllocationProblem,
     *,
@@ -577,14 +706,22 @@ def solve(
 ) -> AllocationPlan:
     """Best plan within a budget of `time_limit_s` (deterministic for a fixed seed).
 
-    The limit picks the steps by their size-estimated cost (never the clock), so a loaded machine
-    returns the same plan, later. `use_lp` forces the horizon LP on or off; by default it runs
-    when its estimated time fits half the limit.
+    The limit picks the steps by their size-estimated cost (never the clock; `plan_steps`), so
+    a loaded machine returns the same plan, later. `use_lp` forces the horizon LP on or off; by
+    default it runs when its estimate fits half the limit and what the first greedy round left.
     """
     started = time.perf_counter()
     if not problem.jobs:
         return make_plan(problem, {}, status="optimal", policy="greenflow", solve_s=0.0, bound=0.0)
     arrays = plan_arrays(problem)
+    protect, reserved = deadline_reservation(problem, arrays)
+    steps = plan_steps(
+        problem,
+        arrays,
+        time_limit_s,
+        use_lp=use_lp,
+        chase=needs_chase(problem, arrays, protect, reserved),
+    )
     prefer = None
     warm = shift_previous(previous, problem)
     if warm is not None:
@@ -597,7 +734,9 @@ def solve(
             arrays,
             prefer,
             _previous_finish(previous, problem, arrays),
-            greedy_passes(arrays, problem.num_slots, time_limit_s),
+            steps.greedy_rounds,
+            reservation=(protect, reserved),
+            chase=steps.chase,
         )
     ]
 
@@ -606,32 +745,33 @@ def solve(
 
     if warm is not None:
         add(trim_after_finish(problem, warm))
-    run_lp = lp_affordable(arrays, problem.num_slots, time_limit_s) if use_lp is None else use_lp
-    lp = solve_lp(problem, arrays) if run_lp else None
+    lp = solve_lp(problem, arrays) if steps.lp else None
     if lp is not None:
         for mode in ("ceil", "nearest"):
             add(trim_after_finish(problem, round_lp(problem, arrays, lp, prefer, mode)))
-        near = _near_deadline_mip(problem, arrays, lp, prefer, time_limit_s, seed)
-        if near is not None:
-            add(near)
-    if baselines_affordable(arrays, problem.num_slots, time_limit_s):
+        if steps.near_mip_slots is not None:
+            near = _near_deadline_mip(problem, arrays, lp, prefer, steps.near_mip_slots, seed)
+            if near is not None:
+                add(near)
+    if steps.baselines:
         for name, counts in baseline_plans(problem, time_limit_s, seed):
             add(counts, f"heuristic:{name}")
     feasible = [c for c in candidates if _ok(c[2])]
     best = min(feasible, key=lambda c: c[2].objective) if feasible else None
-    if lp is not None and best is not None and len(problem.jobs) <= REPAIR_MAX_JOBS:
+    if lp is not None and best is not None and steps.repair_trials > 0:
         savable = {
             j.job_id for j, ok in zip(problem.jobs, lp_deadline_met(problem, lp), strict=True) if ok
         }
         if any(not ok for k, ok in best[2].deadline_met.items() if k in savable):
-            repaired = trim_after_finish(problem, repair_deadlines(problem, best[0], savable))
+            repaired = trim_after_finish(
+                problem, repair_deadlines(problem, best[0], savable, steps.repair_trials)
+            )
             ev = evaluate_gpus(problem, repaired)
             if _ok(ev) and ev.objective < best[2].objective:
                 best = (repaired, "heuristic", ev)
     bound = None if lp is None else lp.bound
     status = "heuristic"
-    binaries = int(arrays.valid.sum()) * problem.num_slots * 2
-    if lp is not None and mip_affordable(binaries, EXACT_MAX_BINARIES, time_limit_s):
+    if lp is not None and steps.exact_mip:
         gpus, mip_bound, optimal = solve_mip(problem, arrays, seed)
         if gpus is not None:
             gpus = trim_after_finish(problem, gpus)
@@ -670,25 +810,15 @@ def _near_deadline_mip(
     arrays: PlanArrays,
     lp: LpResult,
     prefer: dict[str, int] | None,
-    time_limit_s: float,
+    slots: int,
     seed: int,
 ) -> dict[str, tuple[int, ...]] | None:
-    """Exact MIP over the slots up to the last deadline inside the horizon, LP rounding after.
+    """Exact MIP over the first `slots` slots (up to the last deadline inside the horizon, see
+    `near_deadline_slots`), LP rounding after.
 
     Deadlines in the trace are mostly a few slots away, where rounding errors cost most; a MIP
     over just those slots stays small however long the horizon is.
     """
-    deadlines = [
-        j.deadline_s
-        for j in problem.jobs
-        if j.deadline_s is not None and 0 < j.deadline_s < problem.horizon_s
-    ]
-    if not deadlines:
-        return None
-    slots = int(np.ceil(max(deadlines) / problem.slot_s))
-    binaries = int(arrays.valid.sum()) * slots * 2
-    if slots >= problem.num_slots or not mip_affordable(binaries, NEAR_MAX_BINARIES, time_limit_s):
-        return None
     sub = replace(
         problem,
         capacity_gpus=problem.capacity_gpus[:slots],

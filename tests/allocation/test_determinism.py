@@ -89,7 +89,9 @@ def _mip_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def previous_plan(problem: AllocationProblem) -> AllocationPlan:
     """The plan of the tick 55 s before: jobs a-e at their current counts, then idle."""
     before = replace(problem, start_at=START - timedelta(seconds=55), jobs=problem.jobs[:5])
-    gpus = {j.job_id: (j.current_gpus,) + (0,) * 47 for j in before.jobs}
+    gpus: dict[str, tuple[int, ...]] = {
+        j.job_id: (j.current_gpus,) + (0,) * 47 for j in before.jobs
+    }
     return make_plan(before, gpus, status="heuristic", policy="greenflow", solve_s=0.0)
 
 
