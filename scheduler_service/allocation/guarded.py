@@ -7,6 +7,8 @@ more than everything else in the objective, so the guard also builds a few cheap
 candidates (ElasticFlow-style EDF with and without filling spare GPUs, and the solver without the
 warm start when the first plan misses a deadline) and returns the feasible plan with the lowest
 objective. By construction the result is never worse on the objective than those baselines.
+Where `solve` already built the EDF plans as its own candidates (small problems), the guard reuses
+them (and the cold re-solve reuses all of solve's baseline plans) instead of building them again.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from scheduler_service.allocation.problem import (
     evaluate_gpus,
     make_plan,
 )
-from scheduler_service.allocation.solver import solve
+from scheduler_service.allocation.solver import solve_with_baselines
 
 
 def _misses(plan: AllocationPlan) -> int:
@@ -41,13 +43,24 @@ def greenflow(
 ) -> AllocationPlan:
     """The solver's plan, or a deadline-safe alternative when that scores better on the objective."""
     started = time.perf_counter()
-    first = solve(problem, previous=previous, time_limit_s=time_limit_s, seed=seed)
+    solved = solve_with_baselines(problem, previous=previous, time_limit_s=time_limit_s, seed=seed)
+    first = solved.plan
     candidates = [first]
-    for baseline in (lean_edf, carbon_agnostic):
-        candidates.append(baseline(problem, previous=None, time_limit_s=time_limit_s, seed=seed))
+    for name, baseline in (("lean-edf", lean_edf), ("carbon-agnostic", carbon_agnostic)):
+        plan = solved.baselines.get(name)
+        if plan is None:
+            plan = baseline(problem, previous=None, time_limit_s=time_limit_s, seed=seed)
+        candidates.append(plan)
     if previous is not None and _misses(first) > 0:
         # The warm start can anchor the rounding on a stale plan; try once without it.
-        candidates.append(solve(problem, previous=None, time_limit_s=time_limit_s, seed=seed))
+        cold = solve_with_baselines(
+            problem,
+            previous=None,
+            time_limit_s=time_limit_s,
+            seed=seed,
+            baselines=solved.baselines or None,
+        )
+        candidates.append(cold.plan)
     feasible = [p for p in candidates if _feasible(problem, p)] or [first]
     best = min(feasible, key=lambda p: p.objective)
     if best is first:

@@ -677,8 +677,8 @@ def plan_steps(
 
 def baseline_plans(
     problem: AllocationProblem, time_limit_s: float, seed: int
-) -> list[tuple[str, dict[str, tuple[int, ...]]]]:
-    """(name, GPU matrix) of every baseline policy and lean EDF on this problem."""
+) -> list[AllocationPlan]:
+    """The plans of every baseline policy and lean EDF on this problem (cold: no previous)."""
     # Imported here: the baselines build on this module's helpers.
     from scheduler_service.allocation import baselines
 
@@ -689,11 +689,9 @@ def baseline_plans(
         baselines.carbon_greedy,
         baselines.temporal_shift,
     )
-    out = []
-    for policy in policies:
-        plan = policy(problem, previous=None, time_limit_s=time_limit_s, seed=seed)
-        out.append((plan.policy, plan.gpus))
-    return out
+    return [
+        policy(problem, previous=None, time_limit_s=time_limit_s, seed=seed) for policy in policies
+    ]
 
 
 def solve(
@@ -710,9 +708,37 @@ def solve(
     a loaded machine returns the same plan, later. `use_lp` forces the horizon LP on or off; by
     default it runs when its estimate fits half the limit and what the first greedy round left.
     """
+    return solve_with_baselines(
+        problem, previous=previous, time_limit_s=time_limit_s, seed=seed, use_lp=use_lp
+    ).plan
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """`solve`'s plan and the baseline plans it built as candidates (policy name -> plan)."""
+
+    plan: AllocationPlan
+    baselines: dict[str, AllocationPlan]
+
+
+def solve_with_baselines(
+    problem: AllocationProblem,
+    *,
+    previous: AllocationPlan | None = None,
+    time_limit_s: float = 5.0,
+    seed: int = 0,
+    use_lp: bool | None = None,
+    baselines: dict[str, AllocationPlan] | None = None,
+) -> SolveResult:
+    """`solve`, also returning the baseline plans it built, so callers need not build them again.
+
+    `baselines`: plans from an earlier call on the same problem, limit and seed (the baselines
+    ignore `previous`), reused instead of rebuilt when the baseline step runs.
+    """
     started = time.perf_counter()
     if not problem.jobs:
-        return make_plan(problem, {}, status="optimal", policy="greenflow", solve_s=0.0, bound=0.0)
+        empty = make_plan(problem, {}, status="optimal", policy="greenflow", solve_s=0.0, bound=0.0)
+        return SolveResult(empty, {})
     arrays = plan_arrays(problem)
     protect, reserved = deadline_reservation(problem, arrays)
     steps = plan_steps(
@@ -753,9 +779,13 @@ def solve(
             near = _near_deadline_mip(problem, arrays, lp, prefer, steps.near_mip_slots, seed)
             if near is not None:
                 add(near)
+    built: dict[str, AllocationPlan] = {}
     if steps.baselines:
-        for name, counts in baseline_plans(problem, time_limit_s, seed):
-            add(counts, f"heuristic:{name}")
+        if baselines is None:
+            baselines = {plan.policy: plan for plan in baseline_plans(problem, time_limit_s, seed)}
+        built = baselines
+        for name, plan in built.items():
+            add(plan.gpus, f"heuristic:{name}")
     feasible = [c for c in candidates if _ok(c[2])]
     best = min(feasible, key=lambda c: c[2].objective) if feasible else None
     if lp is not None and best is not None and steps.repair_trials > 0:
@@ -793,7 +823,7 @@ def solve(
         status, _, source = best[1].partition(":")
         if source:
             notes = (*notes, f"best candidate: the {source} baseline's plan")
-    return make_plan(
+    plan = make_plan(
         problem,
         best[0],
         status=status,
@@ -803,6 +833,7 @@ def solve(
         notes=notes,
         evaluation=best[2],
     )
+    return SolveResult(plan, built)
 
 
 def _near_deadline_mip(
