@@ -457,9 +457,15 @@ class JobRunner:
                 mask[start:end] = True
         return out
 
-    def arm_fault(self, rank: int, mode: Literal["switch", "transfer", "stage"] = "switch") -> None:
+    def arm_fault(
+        self,
+        rank: int,
+        mode: Literal["switch", "transfer", "stage", "commit", "regroup"] = "switch",
+    ) -> None:
         """Test hook: in the next switch the worker at `rank` exits in the pause (`switch`),
-        raises in its transfer (`transfer`), or exits while staging before the pause (`stage`)."""
+        raises in its transfer (`transfer`), exits while staging before the pause (`stage`),
+        exits when told to commit (`commit`), or exits when told to rebuild its process groups
+        after its commit (`regroup`: the new generation's `join`, or `build_groups`)."""
         self._call([(self._ranks[rank], "arm_fault", {"mode": mode})])
 
     def stop(self) -> None:
@@ -829,14 +835,27 @@ class JobRunner:
             )
 
         t0 = time.perf_counter()
-        handles = self._call([(h, "switch_commit", {}) for h in union])
         same_group = [h.worker_id for h in union] == [h.worker_id for h in target]
-        if not same_group:
-            self._join(target)
+        try:
+            # Two-phase: a worker keeps the state its commit replaced (references, no copy) until
+            # the switch is final, i.e. until its first command after the pause. A worker lost
+            # from here to the end of the group rebuild therefore still rolls back like one lost
+            # in the transfer: `switch_abort` puts the survivors back in the old layout.
+            handles = self._call([(h, "switch_commit", {}) for h in union])
+            if not same_group:
+                gone = frozenset(h.worker_id for h in union if not h.proc.is_alive())
+                if gone:
+                    # Caught before the rendezvous, which would wait for it until timeout_s.
+                    raise WorkerFailed(f"workers {sorted(gone)} died in the commit", gone)
+                self._join(target)
+            if not prebuilt:
+                self._call([(h, "build_groups", {}) for h in target])
+        except WorkerFailed as exc:
+            return self._rollback(
+                old_layout, new_layout, old, added, plan, exc, t_start, spawn_s, snapshot_s, plan_s
+            )
         self._ranks = target
         self._layout = new_layout
-        if not prebuilt:
-            self._call([(h, "build_groups", {}) for h in target])
         regroup_s += time.perf_counter() - t0
         # Leavers exit only now: their interpreter teardown (~1 s of CPU) would otherwise compete
         # with the survivors' new process group for the same cores inside the pause.

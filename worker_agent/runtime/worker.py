@@ -52,7 +52,9 @@ class WorkerConfig:
     """Switch messages: runs at least this large go unpacked (None: the executor's default)."""
     fail_at: str | None = None
     """Test hook, next switch: `"switch"` exits abruptly in the pause, `"transfer"` raises,
-    `"stage"` exits abruptly while staging (before the pause)."""
+    `"stage"` exits abruptly while staging (before the pause), `"commit"` exits abruptly when
+    told to commit, `"regroup"` exits abruptly when told to rebuild its groups after committing
+    (`join` of the new generation or `build_groups`)."""
     shared_state: bool = False
     """Keep the flat state buffer in shared memory that the runner maps too (CPU only), so a
     worker's state outlives its process without a snapshot copy."""
@@ -105,15 +107,21 @@ class Worker:
         self._retired: list[Any] = []
         self._staging: _Staging | None = None
         self._peer_maps: list[torch.Tensor] = []
+        """Peers' state buffers mapped for the last switch's pulls (unmapped after the pause)."""
         self._old_groups: list[dist.ProcessGroup] = []
         """Sub-groups a switch replaced; destroyed after the pause (each holds open sockets)."""
-        """Peers' state buffers mapped for the last switch's pulls (unmapped after the pause)."""
+        self._undo: dict[str, Any] | None = None
+        """The state a commit replaced, until the switch is final (the next command that is not
+        part of the pause): `switch_abort` puts it back if the switch fails after the commit."""
 
     # ----- process groups -------------------------------------------------------------------
     def cmd_join(self, generation: int, rank: int, world_size: int) -> None:
         """Leave the current process group (if any) and join generation `generation`."""
+        self._fail_if_committed()
         if dist.is_initialized():
             dist.destroy_process_group()
+        # destroy_process_group() destroyed every sub-group too; destroying one again raises.
+        self._old_groups = []
         self.tp = TensorParallel()
         self.dp_group = None
         store = dist.PrefixStore(f"gen{generation}", self.store)
@@ -139,18 +147,21 @@ class Worker:
         assert self.layout is not None
         self.tp, self.dp_group = self._make_groups(self.layout, self.rank)
 
-    @staticmethod
-    def _make_groups(lay: Layout, me: int) -> tuple[TensorParallel, dist.ProcessGroup | None]:
+    def _make_groups(self, lay: Layout, me: int) -> tuple[TensorParallel, dist.ProcessGroup | None]:
         tp = TensorParallel(size=lay.tp, rank=lay.coords(me).tp)
         dp_group = None
+        # new_group's own default is 30 min, not the default group's: a peer dying while the
+        # groups form (or in a TP/DP collective) would hang the others for half an hour and
+        # answer the runner long after it gave up on them.
+        timeout = timedelta(seconds=self.cfg.timeout_s)
         if lay.tp > 1:
             for ranks in lay.tp_groups():
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timeout)
                 if me in ranks:
                     tp.group = g
         if lay.dp > 1:
             for ranks in lay.dp_groups():
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timeout)
                 if me in ranks:
                     dp_group = g
         return tp, dp_group
@@ -234,6 +245,8 @@ class Worker:
         """Drop the state buffers a switch replaced (unmapping takes tens of ms)."""
         retired, self._retired = self._retired, []
         groups, self._old_groups = self._old_groups, []
+        # The switch is final: the replaced state will not be needed back.
+        self._undo = None
         for g in groups:
             # Without this every switch between the same workers leaked a few file descriptors.
             dist.destroy_process_group(g)
@@ -484,9 +497,14 @@ class Worker:
 
         Returns the new state's shared-memory handle when the runner keeps one.
         """
+        if self.cfg.fail_at == "commit":
+            os._exit(17)
         assert self._pending is not None
         layout, rank, flat, step, extra = self._pending
         self._pending = None
+        # Kept (references only, no copy) until the switch is final, so that a failure in the
+        # rest of the pause can put this worker back in the old layout.
+        self._undo = {k: getattr(self, k) for k in _UNDO_FIELDS}
         self._retired.append(self._peer_maps)
         self._peer_maps = []
         if layout is None or flat is None:
@@ -508,9 +526,17 @@ class Worker:
         return self.cmd_state_handle()
 
     def cmd_switch_abort(self) -> None:
-        """Drop the prepared (or staging) state and keep the old one."""
+        """Drop the prepared (or staging) state and keep the old one; after a commit that is
+        not final yet, go back to the state the commit replaced."""
         self._pending = None
         self._peer_maps = []
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            for k, v in undo.items():
+                setattr(self, k, v)
+            # Sub-groups of the abandoned layout (prebuilt ones included) are not kept; the
+            # runner forms a new generation for the rollback, which destroys them.
+            self._old_groups = []
         staging, self._staging = self._staging, None
         if staging is not None and staging.thread is not None:
             staging.thread.join()
@@ -609,16 +635,38 @@ class Worker:
         return times[len(times) // 2]
 
     def cmd_arm_fault(self, mode: str) -> None:
-        """Test hook: in the next switch, exit (`switch`, `stage`) or raise (`transfer`)."""
+        """Test hook: in the next switch, exit (`switch`, `stage`, `commit`, `regroup`) or raise
+        (`transfer`)."""
         self.cfg = dataclasses.replace(self.cfg, fail_at=mode)
 
     def cmd_build_groups(self) -> None:
         """Create the current layout's TP/DP sub-groups (after a join)."""
+        self._fail_if_committed()
         self._build_groups()
 
+    def _fail_if_committed(self) -> None:
+        """Test hook `regroup`: exit abruptly in the group rebuild that follows a commit."""
+        if self.cfg.fail_at == "regroup" and self._undo is not None:
+            os._exit(17)
 
-_PAUSE_COMMANDS = frozenset({"switch_commit", "build_groups", "join"})
-"""Commands the runner sends inside a switch's pause."""
+
+_PAUSE_COMMANDS = frozenset({"switch_commit", "build_groups", "join", "switch_abort"})
+"""Commands the runner sends inside a switch's pause (and its rollback): they keep the state a
+commit replaced, which the first other command frees."""
+
+_UNDO_FIELDS = (
+    "layout",
+    "rank",
+    "step",
+    "smap",
+    "flat",
+    "params",
+    "grad_flat",
+    "buffers",
+    "tp",
+    "dp_group",
+)
+"""Worker attributes a commit replaces and `switch_abort` restores."""
 
 
 @dataclass
