@@ -100,8 +100,13 @@ def avg_jct_lower_bound(
     only: Collection[str] | None = None,
     segments: int = SEGMENTS,
     max_rounds: int = 4,
+    horizon_s: float | None = None,
 ) -> JctBound:
-    """Lower bound on avg JCT of `jobs` (or the ids in `only`) replayed under `config`."""
+    """Lower bound on avg JCT of `jobs` (or the ids in `only`) replayed under `config`.
+
+    `horizon_s`: the first horizon end (trace seconds; None: estimated); it doubles, at most
+    `max_rounds - 1` times, while the LP leaves work past it. Any horizon gives a valid bound.
+    """
     if not jobs:
         raise ValueError("no jobs")
     # Budget periods exactly as the replay of all of `jobs` sets them (rejected jobs included).
@@ -115,7 +120,8 @@ def avg_jct_lower_bound(
         raise ValueError("no job selected")
     tables = [job_tables(j, profiles, config.capacity_gpus) for j in chosen]
     clock = CarbonClock(series, config.pue)
-    horizon_s = _first_horizon(chosen, tables, clock, config, periods, start_s)
+    if horizon_s is None:
+        horizon_s = _first_horizon(chosen, tables, clock, config, periods, start_s)
     began = time.perf_counter()
     result = None
     for _ in range(max_rounds):
