@@ -123,13 +123,12 @@ def avg_jct_lower_bound(
     if horizon_s is None:
         horizon_s = _first_horizon(chosen, tables, clock, config, periods, start_s)
     began = time.perf_counter()
-    result = None
-    for _ in range(max_rounds):
-        result = _solve(chosen, tables, clock, config, periods, start_s, horizon_s, segments)
+    result = _solve(chosen, tables, clock, config, periods, start_s, horizon_s, segments)
+    for _ in range(max_rounds - 1):
         if result.tail_work <= TAIL_TOLERANCE:
             break
         horizon_s = start_s + 2 * (horizon_s - start_s)
-    assert result is not None
+        result = _solve(chosen, tables, clock, config, periods, start_s, horizon_s, segments)
     return JctBound(
         avg_jct_s=float(result.bound_sum_s / len(chosen)),
         lp_avg_jct_s=float(result.primal_sum_s / len(chosen)),

@@ -158,5 +158,9 @@ def test_a_horizon_too_short_still_gives_a_lower_bound() -> None:
     short = avg_jct_lower_bound(jobs, series, TOY, config, horizon_s=3600.0, max_rounds=1)
     assert full.tail_work == 0.0 and short.tail_work > 0.5
     assert short.avg_jct_s <= full.avg_jct_s
+    # Left to grow (doubling while work is left past it), the same start ends with no tail.
+    grown = avg_jct_lower_bound(jobs, series, TOY, config, horizon_s=3600.0)
+    assert grown.tail_work == 0.0 and grown.horizon_s >= 4 * 3600.0
+    assert short.avg_jct_s <= grown.avg_jct_s
     report = simulate_trace(jobs, series, TOY, config)
     assert full.avg_jct_s <= report.avg_jct_all_s  # type: ignore[operator]
