@@ -16,6 +16,8 @@ import numpy as np
 GRAMS_PER_KG = 1000.0
 SECONDS_PER_HOUR = 3600.0
 WATTS_PER_KILOWATT = 1000.0
+# Cap on the budget-aware tail (slots per unit of leftover work fraction): see budget_tail_slots.
+BUDGET_TAIL_MAX_SLOTS = 1e5
 
 
 class BudgetMode(StrEnum):
@@ -205,12 +207,29 @@ class AllocationProblem:
         ]
         return max(rates) if rates else job.throughput_samples_per_s[0]
 
+    def leftover_budget_rate_kg_per_s(self) -> float | None:
+        """kg per second the budget pays after the horizon (hard mode): the last period's rate.
+
+        The period holding the horizon's end sets it (its budget left over its time from the
+        horizon's start or its own, whichever is later); None when no period holds the end, the
+        mode is soft, or that budget is spent (then nothing is known about the rate).
+        """
+        if self.budget_mode is not BudgetMode.HARD:
+            return None
+        horizon_s = self.horizon_s
+        holding = [p for p in self.budget_periods if p.start_s < horizon_s <= p.end_s]
+        if not holding:
+            return None
+        last = max(holding, key=lambda p: p.start_s)
+        length_s = last.end_s - max(last.start_s, 0.0)
+        if last.budget_left_kg <= 0 or length_s <= 0:
+            return None
+        return last.budget_left_kg / length_s
+
     def deadline_miss_cost_s(self) -> float:
         """Weight of one missed deadline: above any other objective term, so misses come first."""
         arrays = plan_arrays(self)
-        tail = float(
-            (arrays.priority * (arrays.remaining / arrays.max_throughput + self.slot_s)).sum()
-        )
+        tail = float((arrays.priority * self.slot_s * (arrays.tail_slots + 1.0)).sum())
         rest = float(arrays.priority.sum()) * self.horizon_s + tail
         carbon = (
             self.carbon_price_s_per_kg
@@ -321,6 +340,35 @@ class PlanArrays:
         kwh = self.remaining * joules_per_sample / SECONDS_PER_HOUR / WATTS_PER_KILOWATT
         intensity = min(problem.intensity_g_per_kwh)
         self.tail_kg = kwh * problem.pue * intensity / GRAMS_PER_KG
+        rate_kg_per_s = problem.leftover_budget_rate_kg_per_s()
+        if rate_kg_per_s is not None:
+            # Under a hard budget leftover work also waits for budget: at the last period's rate,
+            # jobs served least kg first, a job's leftover finishes when its kg and the kg of the
+            # jobs before it are paid; summed over jobs, each leftover kg of job j delays j and
+            # every job with more kg to go (budget_tail_slots). Whichever tail is longer counts.
+            self.tail_slots = np.maximum(
+                self.tail_slots,
+                budget_tail_slots(self.tail_kg, self.priority, rate_kg_per_s, problem.slot_s),
+            )
+
+
+def budget_tail_slots(
+    tail_kg: np.ndarray, priority: np.ndarray, rate_kg_per_s: float, slot_s: float
+) -> np.ndarray:
+    """Per job: slots of priority-weighted waiting per unit of leftover fraction under a budget.
+
+    Leftover work runs after the horizon as the budget pays for it (`rate_kg_per_s`), jobs
+    served least kg first (ties by job order). Job j's leftover kg then delays j and every job
+    served after it, so it costs kg_j * (sum of their priorities) / rate seconds, divided here by
+    priority_j * slot_s to be in the objective's tail units.
+    """
+    order = np.lexsort((np.arange(len(tail_kg)), tail_kg))
+    behind = np.empty_like(priority)
+    behind[order] = np.cumsum(priority[order][::-1])[::-1]
+    slots = tail_kg * behind / (rate_kg_per_s * priority * slot_s)
+    # A nearly spent budget would make the tail astronomic and drown every other term in float
+    # rounding; past this many slots per leftover fraction the plan's choices no longer change.
+    return np.asarray(np.minimum(slots, BUDGET_TAIL_MAX_SLOTS), dtype=float)
 
 
 _ARRAYS_CACHE: dict[int, tuple[AllocationProblem, PlanArrays]] = {}

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from scheduler_service.allocation.policies import POLICIES
 from scheduler_service.allocation.problem import (
+    BUDGET_TAIL_MAX_SLOTS,
     AllocationProblem,
     BudgetMode,
     BudgetPeriod,
@@ -222,11 +223,32 @@ def _fixed_problem() -> AllocationProblem:
     )
 
 
+def budget_waiting_slots(problem: AllocationProblem) -> dict[str, float]:
+    """Loop version of the budget-aware tail: per job, slots of weighted waiting per leftover
+    fraction when leftover work is paid at the last period's rate, least kg served first."""
+    rate = problem.leftover_budget_rate_kg_per_s()
+    if rate is None:
+        return {job.job_id: 0.0 for job in problem.jobs}
+    kg = [leftover_kg_per_fraction(problem, job) for job in problem.jobs]
+    out = {}
+    for i, job in enumerate(problem.jobs):
+        # Served at or after job i: more kg, or as much and later in the job list.
+        behind = sum(
+            other.priority
+            for n, other in enumerate(problem.jobs)
+            if kg[n] > kg[i] or (kg[n] == kg[i] and n >= i)
+        )
+        slots = kg[i] * behind / (rate * job.priority * problem.slot_s)
+        out[job.job_id] = min(slots, BUDGET_TAIL_MAX_SLOTS)
+    return out
+
+
 def reference_evaluation(
     problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]
 ) -> tuple[float, dict[str, float | None], int, bool]:
     """Slot-by-slot loop version of evaluate_gpus: (objective, completion, changes, allowed)."""
     kg_per_w = problem.slot_emissions_kg_per_w()
+    waiting = budget_waiting_slots(problem)
     weighted_s = emissions_kg = leftover_kg = 0.0
     completion: dict[str, float | None] = {}
     changes = misses = 0
@@ -253,7 +275,7 @@ def reference_evaluation(
         completion[job.job_id] = finish
         left = 1.0 - done / job.remaining_samples
         max_rate = problem.usable_max_rate(job)
-        tail = left * job.remaining_samples / (max_rate * problem.slot_s)
+        tail = left * max(job.remaining_samples / (max_rate * problem.slot_s), waiting[job.job_id])
         weighted_s += job.priority * problem.slot_s * (area + tail)
         leftover_kg += left * leftover_kg_per_fraction(problem, job)
         if job.deadline_s is not None:
