@@ -365,7 +365,8 @@ def budget_tail_slots(
     order = np.lexsort((np.arange(len(tail_kg)), tail_kg))
     behind = np.empty_like(priority)
     behind[order] = np.cumsum(priority[order][::-1])[::-1]
-    slots = tail_kg * behind / (rate_kg_per_s * priority * slot_s)
+    with np.errstate(over="ignore"):  # an astronomic tail is capped just below
+        slots = tail_kg * behind / (rate_kg_per_s * priority * slot_s)
     # A nearly spent budget would make the tail astronomic and drown every other term in float
     # rounding; past this many slots per leftover fraction the plan's choices no longer change.
     return np.asarray(np.minimum(slots, BUDGET_TAIL_MAX_SLOTS), dtype=float)

@@ -58,8 +58,8 @@ def test_budget_bound_slot_goes_to_the_job_with_least_kg_to_go(
     # completions 1+8, 9+10 slots (sum 28); running `narrow` now gives 1+9, 10+9 (sum 29).
     # The in-horizon budget also allows only one GPU-slot, so the plan must pick one of them.
     problem = budget_bound_pair()
-    runs_wide = {"wide": (1,), "narrow": (0,)}
-    runs_narrow = {"wide": (0,), "narrow": (1,)}
+    runs_wide: dict[str, tuple[int, ...]] = {"wide": (1,), "narrow": (0,)}
+    runs_narrow: dict[str, tuple[int, ...]] = {"wide": (0,), "narrow": (1,)}
     plan = solve(problem, time_limit_s=2.0, seed=0)
     assert plan.gpus == runs_wide
     assert (
