@@ -20,6 +20,7 @@ buffer in the pause, so the reads need no synchronisation beyond the pause itsel
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,47 @@ DIRECT_MIN_RUN_BYTES = 512 * 1024
 
 Run = tuple[int, int, int]
 """(offset in the sender's flat buffer, offset in the receiver's, elements)."""
+
+
+def _thread_sample() -> tuple[float, float, float, float, float, float, float]:
+    """Wall clock and the calling thread's user/sys CPU s, run-queue wait s, minor page
+    faults, voluntary and involuntary context switches (Linux)."""
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            runq_s = int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        runq_s = 0.0
+    return (
+        time.perf_counter(),
+        ru.ru_utime,
+        ru.ru_stime,
+        runq_s,
+        float(ru.ru_minflt),
+        float(ru.ru_nvcsw),
+        float(ru.ru_nivcsw),
+    )
+
+
+_SAMPLE_KEYS = ("wall_s", "user_s", "sys_s", "runq_s", "minflt", "vcsw", "ivcsw")
+
+
+class PhaseProfile:
+    """Where one thread's time went, phase by phase: wall, user and kernel CPU, time waiting
+    for a core (run queue), page faults, context switches. Wall minus CPU minus run-queue wait
+    is time blocked (the GIL, locks, I/O)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[str, float]] = {}
+        self._last = _thread_sample()
+
+    def mark(self, name: str) -> None:
+        """Close the phase `name` (time since the previous mark)."""
+        now = _thread_sample()
+        acc = self.phases.setdefault(name, dict.fromkeys(_SAMPLE_KEYS, 0.0))
+        for k, a, b in zip(_SAMPLE_KEYS, self._last, now, strict=True):
+            acc[k] += b - a
+        self._last = now
 
 
 @dataclass
@@ -61,6 +103,8 @@ class ExecStats:
     zero_copy_messages: int = 0
     posted_at: float = 0.0
     """`time.perf_counter()` when the messages were posted (one clock for all local processes)."""
+    stage_profile: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Staging per phase (`PhaseProfile`), as the staging thread saw it."""
 
 
 class StagingBuffers:
@@ -109,6 +153,7 @@ class StagedSwitch:
     elem_bytes: int
     stage_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    profile: PhaseProfile = field(default_factory=PhaseProfile)
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -192,6 +237,7 @@ def stage_switch(
     copies out of the sender's buffer; `peer_flats` holds those buffers for the senders to `me`.
     """
     t0 = time.perf_counter()
+    prof = PhaseProfile()
     min_run = DIRECT_MIN_RUN_BYTES if direct_min_run_bytes is None else direct_min_run_bytes
     copies = [c for c in plan.local_copies if c.worker == me]
     old_n = 0 if old_flat is None else old_flat.numel()
@@ -204,9 +250,11 @@ def stage_switch(
         new_flat = old_flat
     elif new_numel is not None:
         new_flat = alloc(new_numel) if alloc is not None else torch.empty(new_numel)
+        prof.mark("alloc")
         # First touch here, not in the pause: on this machine a fresh page costs more than
         # copying it (~0.35 s per 400 MB faulted vs ~0.03 s warm).
         new_flat.zero_()
+        prof.mark("fault_new")
     sends = {
         p: _split(ts, plan.elem_bytes, min_run)
         for p, ts in plan.sends_of(me).items()
@@ -226,10 +274,15 @@ def stage_switch(
     missing = [p for p in pulls if p not in flats]
     if missing:
         raise RuntimeError(f"no shared state buffer of workers {missing} to copy from")
+    prof.mark("runs")
     for p, runs in pulls.items():
         _prefault_reads(flats[p], runs)
+    prof.mark("fault_peers")
     n_send, n_recv = _fused(sends), _fused(recvs)
     local = [] if identity else _runs2([(c.src_offset, c.dst_offset, c.numel) for c in copies])
+    send_staging = buffers.send(n_send) if n_send else None
+    recv_staging = buffers.recv(n_recv) if n_recv else None
+    prof.mark("staging_buffers")
     return StagedSwitch(
         new_flat=new_flat,
         identity=identity,
@@ -238,10 +291,11 @@ def stage_switch(
         recvs=recvs,
         pulls=pulls,
         peer_flats={p: flats[p] for p in pulls},
-        send_staging=buffers.send(n_send) if n_send else None,
-        recv_staging=buffers.recv(n_recv) if n_recv else None,
+        send_staging=send_staging,
+        recv_staging=recv_staging,
         elem_bytes=plan.elem_bytes,
         stage_s=time.perf_counter() - t0,
+        profile=prof,
     )
 
 
@@ -253,7 +307,7 @@ def run_switch(
     overlap_local: bool = True,
 ) -> ExecStats:
     """The paused part of a switch: pack small runs, post all messages, local copies, unpack."""
-    stats = ExecStats(stage_s=staged.stage_s)
+    stats = ExecStats(stage_s=staged.stage_s, stage_profile=staged.profile.phases)
     eb = staged.elem_bytes
     new_flat = staged.new_flat
     ops: list[dist.P2POp] = []

@@ -79,6 +79,9 @@ class SwitchReport:
     """p2p messages posted, all workers together (a send and its receive count twice)."""
     workers_started: list[int] = field(default_factory=list)
     workers_released: list[int] = field(default_factory=list)
+    stage_profile: list[dict[str, dict[str, float]]] = field(default_factory=list)
+    """Per worker (transfer-group rank order): its staging thread's time per phase (wall, user
+    and sys CPU, run-queue wait, page faults, context switches; see `PhaseProfile`)."""
     error: str | None = None
     recovered_from: str | None = None
 
@@ -102,6 +105,8 @@ class Progress:
     layout: Layout
     worker_pids: list[int]
     """By rank in the current layout."""
+    step_at: float = 0.0
+    """`time.perf_counter()` when training reached `step` (end of the last chunk)."""
 
 
 @dataclass
@@ -141,6 +146,7 @@ class JobRunner:
         direct_min_run_bytes: int | None = None,
         snapshot_every_steps: int = 50,
         transport: Literal["auto", "p2p"] = "auto",
+        stage_nice: int | None = 19,
     ) -> None:
         """Snapshot policies (what a switch can fall back to when a unique holder dies):
 
@@ -154,7 +160,12 @@ class JobRunner:
         sender's state is in shared memory (CPU with `auto`/`before_switch`), the receiver
         copies straight out of the sender's buffer; every other pair (and all with `"p2p"`)
         exchanges batched p2p messages.
+
+        `stage_nice`: on CPU workers the staging thread (page faults before the pause) runs at
+        this nice value, so that it takes the cores when training waits rather than slowing
+        the training thread down; None keeps it at the training thread's priority.
         """
+        self.stage_nice = stage_nice
         self.snapshot_policy = snapshot_policy
         self.direct_min_run_bytes = direct_min_run_bytes
         self.snapshot_every_steps = snapshot_every_steps
@@ -175,11 +186,14 @@ class JobRunner:
         self._layout: Layout | None = None
         self._spec: JobSpec | None = None
         self._step = 0
+        self._step_at = 0.0
         self._loss: float | None = None
         self._samples_per_s = 0.0
         self._snapshot: dict[int, tuple[torch.Tensor, Layout, int, int]] = {}
         self._lock = threading.RLock()
         self._switch_waiting = threading.Event()
+        self._lock_wanted = threading.Event()
+        """Set while resize() waits for the lock between two chunks (the lock is not fair)."""
         self._stop = threading.Event()
         self._driver: threading.Thread | None = None
         self._driver_error: BaseException | None = None
@@ -357,6 +371,9 @@ class JobRunner:
                     if self._switch_waiting.is_set():
                         time.sleep(0.01)
                         continue
+                    if self._lock_wanted.is_set():
+                        time.sleep(0.001)
+                        continue
                     with self._lock:
                         n = steps_per_chunk
                         if max_steps is not None:
@@ -383,7 +400,12 @@ class JobRunner:
         if self._driver_error is not None:
             raise WorkerFailed(f"training driver failed: {self._driver_error}")
         return Progress(
-            self._step, self._samples_per_s, self._loss, self.layout, self.worker_pids()
+            self._step,
+            self._samples_per_s,
+            self._loss,
+            self.layout,
+            self.worker_pids(),
+            self._step_at,
         )
 
     def resize(
@@ -518,6 +540,7 @@ class JobRunner:
                 timeout_s=self.timeout_s,
                 direct_min_run_bytes=self.direct_min_run_bytes,
                 shared_state=self._shared_state,
+                stage_nice=self.stage_nice,
             )
             self._next_id += 1
             proc = self._ctx.Process(target=worker_main, args=(child, cfg), daemon=True)
@@ -598,6 +621,7 @@ class JobRunner:
             parts = [w[i].loss_part for w in per_worker]
             out.append((per_worker[0][i].step, float(sum(p for p in parts if p is not None))))
         self._step += steps
+        self._step_at = time.perf_counter()
         self._loss = out[-1][1] if out else self._loss
         self._samples_per_s = self._spec.global_batch_size * steps / wall_s if wall_s > 0 else 0.0
         if (
@@ -721,14 +745,24 @@ class JobRunner:
 
         with contextlib.suppress(WorkerFailed):
             self._call(calls(added))  # not yet driven by the training thread: no lock needed
-            with self._lock:  # waits for the current training chunk; the command returns at once
-                self._call(calls(old))
+            # Waits for the current training chunk; the command returns at once. Without the
+            # flag the driver thread took the lock back for its next chunk, again and again:
+            # staging started 1-5 chunks late (measured: 8.6 s at 100 M).
+            self._lock_wanted.set()
+            try:
+                with self._lock:
+                    self._lock_wanted.clear()
+                    self._call(calls(old))
+            finally:
+                self._lock_wanted.clear()
         deadline = time.monotonic() + self.timeout_s
         handles = [*old, *added]
         while not self._store.check(list(keys.values())):
             if time.monotonic() > deadline or not all(h.proc.is_alive() for h in handles):
                 return
-            time.sleep(0.002)
+            # Not faster: each check is a store round trip through the runner's own TCPStore
+            # server, on the cores training uses (this wait lasts seconds on a busy CPU host).
+            time.sleep(0.02)
 
     def _pull_pairs(self, plan: SwitchPlan, handles: list[_Handle]) -> frozenset[tuple[int, int]]:
         """(sender, receiver) pairs where the receiver copies out of the sender's shared state."""
@@ -954,6 +988,7 @@ class JobRunner:
             messages=sum(s.messages for s in stats),
             workers_started=[h.pid for h in added],
             workers_released=[h.pid for h in leaving],
+            stage_profile=[s.stage_profile for s in stats],
             error=error,
             recovered_from=recovered_from,
         )

@@ -7,6 +7,7 @@ TCPStore that the parent hosts, so the workers that stay keep their process and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -55,6 +56,8 @@ class WorkerConfig:
     `"stage"` exits abruptly while staging (before the pause), `"commit"` exits abruptly when
     told to commit, `"regroup"` exits abruptly when told to rebuild its groups after committing
     (`join` of the new generation or `build_groups`)."""
+    stage_nice: int | None = None
+    """Nice value of the staging thread on CPU (None: the training thread's)."""
     shared_state: bool = False
     """Keep the flat state buffer in shared memory that the runner maps too (CPU only), so a
     worker's state outlives its process without a snapshot copy."""
@@ -399,12 +402,27 @@ class Worker:
             try:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)
-                staging.result = self._stage(plan, new_layout, new_rank, peer_flats, pull_pairs)
+                groups = None
+                t0 = time.perf_counter()
                 if prebuild_groups and new_layout is not None:
                     # Same process group before and after (same workers, same ranks): the new
                     # layout's sub-groups can form now instead of in the pause. Every rank does
                     # this in the same order; the training thread creates no groups meanwhile.
-                    staging.result.extra["groups"] = self._make_groups(new_layout, new_rank)
+                    # Before the priority drops below: gloo's threads inherit this one's.
+                    groups = self._make_groups(new_layout, new_rank)
+                groups_s = time.perf_counter() - t0
+                if self.device.type == "cpu" and self.cfg.stage_nice is not None:
+                    # On a CPU host staging (page faults, mostly in the kernel) competes with
+                    # the training thread for the same cores; at a low priority it runs when
+                    # training waits (collectives, pipeline bubbles, chunk boundaries).
+                    with contextlib.suppress(OSError):
+                        os.setpriority(
+                            os.PRIO_PROCESS, threading.get_native_id(), self.cfg.stage_nice
+                        )
+                staging.result = self._stage(plan, new_layout, new_rank, peer_flats, pull_pairs)
+                if groups is not None:
+                    staging.result.extra["groups"] = groups
+                    staging.result.profile.phases["groups"] = {"wall_s": groups_s}
             except BaseException as exc:  # re-raised by switch_prepare
                 staging.error = exc
             finally:
@@ -438,10 +456,18 @@ class Worker:
             peer_flats=peer_flats,
             pull_pairs=pull_pairs,
         )
+        old_grad = self.grad_flat
         if new_numel is not None and not staged.identity:
-            # The new layout's gradient buffer too, so the first step after the switch does not
-            # fault in fresh pages either.
-            staged.extra["grad"] = torch.zeros(new_numel // 3, device=self.device)
+            if old_grad is not None and old_grad.numel() >= new_numel // 3:
+                # The old layout's gradient buffer is big enough: every step overwrites the
+                # whole buffer, so the new layout takes a view of it at commit (no fresh pages:
+                # faulting them cost 0.1-0.5 s of kernel CPU per 400 MB while training ran).
+                staged.extra["grad"] = old_grad[: new_numel // 3]
+            else:
+                # A new gradient buffer, faulted in now, so the first step after the switch
+                # does not fault in fresh pages either.
+                staged.extra["grad"] = torch.zeros(new_numel // 3, device=self.device)
+            staged.profile.mark("grad")
         return staged
 
     def cmd_switch_prepare(
