@@ -376,7 +376,8 @@ def test_scheduler_drives_real_agents_end_to_end(stack: Stack) -> None:
         start = datetime.fromisoformat(sample["at"]) - timedelta(seconds=sample["interval_s"])
         return not any(timedelta(0) <= start - change < timedelta(seconds=10) for change in changes)
 
-    clean, dirty = [], []
+    clean: list[int] = []
+    dirty: list[int] = []
     for job_id in job_ids:
         for sample in stack.get(f"/v1/jobs/{job_id}/telemetry", limit=5000):
             if settled(sample):
