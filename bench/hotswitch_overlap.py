@@ -65,7 +65,7 @@ def _rate(run: JobRunner, window_s: float) -> float:
 
 
 def overlap_case(
-    size: str, pair: Pair, window_s: float, stage_nice: int | None = 19
+    size: str, pair: Pair, window_s: float, stage_nice: int | None = None
 ) -> dict[str, Any]:
     """Train, switch src -> dst while training, then restart src -> dst from a checkpoint."""
     spec = _spec(size)
@@ -136,7 +136,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--stage-nice",
-        default="19",
+        default="none",
         help="JobRunner(stage_nice=...): the staging thread's nice value, or 'none'",
     )
     args = ap.parse_args()

@@ -146,7 +146,7 @@ class JobRunner:
         direct_min_run_bytes: int | None = None,
         snapshot_every_steps: int = 50,
         transport: Literal["auto", "p2p"] = "auto",
-        stage_nice: int | None = 19,
+        stage_nice: int | None = None,
     ) -> None:
         """Snapshot policies (what a switch can fall back to when a unique holder dies):
 
@@ -162,8 +162,10 @@ class JobRunner:
         exchanges batched p2p messages.
 
         `stage_nice`: on CPU workers the staging thread (page faults before the pause) runs at
-        this nice value, so that it takes the cores when training waits rather than slowing
-        the training thread down; None keeps it at the training thread's priority.
+        this nice value, so that it takes the cores when training waits; None (default) keeps
+        it at the training thread's priority. Measured at 100 M (docs/hotswitch.md): 19 cut
+        the training lost in the heaviest switch and raised it in the light ones, and made
+        staging 3-20x longer, so it is off by default.
         """
         self.stage_nice = stage_nice
         self.snapshot_policy = snapshot_policy
