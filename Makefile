@@ -28,4 +28,4 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy scheduler_service energy_model worker_agent
+	$(BIN)/mypy scheduler_service energy_model worker_agent tests bench

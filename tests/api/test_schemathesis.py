@@ -7,6 +7,7 @@ from pathlib import Path
 
 import schemathesis
 from hypothesis import HealthCheck, settings
+from schemathesis.checks import CheckFunction
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from scheduler_service.app import create_app
@@ -26,7 +27,7 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", _APP)
 
 # Rules JSON Schema cannot state (min_gpus <= max_gpus, a deadline in the future and after
 # begin_after) make some schema-valid bodies a correct 422, so that one check is left out.
-EXCLUDED = [positive_data_acceptance]
+EXCLUDED: list[CheckFunction] = [positive_data_acceptance]
 
 
 @schema.parametrize()
