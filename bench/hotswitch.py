@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -177,7 +177,7 @@ def run_pair(
     pair: tuple[int, Layout, int, Layout],
     probe: JobRunner,
     direct_min_run_bytes: int | None = None,
-    transport: str = "auto",
+    transport: Literal["auto", "p2p"] = "auto",
 ) -> list[dict[str, Any]]:
     """Switch src->dst->src in one pool; for the default runner also restart src->dst->src
     from checkpoints (the restart does not depend on the switch's transport)."""
@@ -187,10 +187,7 @@ def run_pair(
     variant = "default" if transport == "auto" else "p2p"
     if direct_min_run_bytes == FUSED_PER_PEER:
         variant += "-fused-per-peer"
-    run = JobRunner(
-        direct_min_run_bytes=direct_min_run_bytes,
-        transport="p2p" if transport == "p2p" else "auto",
-    )
+    run = JobRunner(direct_min_run_bytes=direct_min_run_bytes, transport=transport)
     restarts: tuple[float | None, float | None] = (None, None)
     try:
         run.start(spec, src_n, src)
@@ -268,7 +265,12 @@ def main() -> None:
             )
         failed: list[dict[str, str]] = []
 
-        def run(size: str, pair: Pair, dmr: int | None = None, transport: str = "auto") -> None:
+        def run(
+            size: str,
+            pair: Pair,
+            dmr: int | None = None,
+            transport: Literal["auto", "p2p"] = "auto",
+        ) -> None:
             # One failed pair (e.g. the OOM killer on a busy machine) is reported, not fatal.
             try:
                 cases.extend(run_pair(size, pair, probes[max(pair[0], pair[2])], dmr, transport))

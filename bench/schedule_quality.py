@@ -240,6 +240,19 @@ def main() -> None:
     least_kg: dict[str, dict[str, float]] = {}
     jct_bounds: dict[str, JctBound] = {}
     ca_met: dict[str, list[str]] = {}
+
+    def config_for(policy: str, **extra: Any) -> SimulationConfig:
+        """The bench's cluster, slot, horizon and time limit, plus the run's own settings."""
+        return SimulationConfig(
+            policy=policy,
+            num_nodes=nodes,
+            gpus_per_node=per_node,
+            slot_s=args.slot_s,
+            horizon_slots=args.horizon_slots,
+            time_limit_s=args.time_limit_s,
+            **extra,
+        )
+
     for name in args.series.split(","):
         series = load_intensity_csv(args.data / "carbon" / "electricitymaps" / f"{name}_hourly.csv")
         results: dict[str, dict[str, Any]] = {}
@@ -253,15 +266,7 @@ def main() -> None:
             name: str = name,
             **extra: Any,
         ) -> SimulationReport:
-            config = SimulationConfig(
-                policy=policy,
-                num_nodes=nodes,
-                gpus_per_node=per_node,
-                slot_s=args.slot_s,
-                horizon_slots=args.horizon_slots,
-                time_limit_s=args.time_limit_s,
-                **extra,
-            )
+            config = config_for(policy, **extra)
             began = time.perf_counter()
             report = simulate_trace(jobs, series, profiles, config)
             results[key] = figures(report, time.perf_counter() - began)
@@ -275,26 +280,15 @@ def main() -> None:
         for price in prices:
             run(f"greenflow-price-{price:g}", "greenflow", carbon_price_s_per_kg=price)
         reference = run("carbon-agnostic-best-effort", "carbon-agnostic", best_effort=True)
-        budget_kg = reference.emissions_kg * args.budget_share
+        capped: dict[str, Any] = {
+            "best_effort": True,
+            "budget_kg": reference.emissions_kg * args.budget_share,
+            "budget_period": "day",
+        }
         for policy in ("carbon-agnostic", "greenflow"):
-            run(
-                f"{policy}-capped",
-                policy,
-                best_effort=True,
-                budget_kg=budget_kg,
-                budget_period="day",
-            )
+            run(f"{policy}-capped", policy, **capped)
         # Every job, the capped runs' budget and cluster (the policy name plays no part).
-        bound_config = SimulationConfig(
-            policy="carbon-agnostic",
-            num_nodes=nodes,
-            gpus_per_node=per_node,
-            slot_s=args.slot_s,
-            horizon_slots=args.horizon_slots,
-            best_effort=True,
-            budget_kg=budget_kg,
-            budget_period="day",
-        )
+        bound_config = config_for("carbon-agnostic", **capped)
         jct_bounds[name] = avg_jct_lower_bound(jobs, series, profiles, bound_config)
         print(f"{name} jct bound: {jct_bounds[name]}", file=sys.stderr)
         by_series[name] = results

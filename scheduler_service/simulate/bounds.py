@@ -62,8 +62,8 @@ from scheduler_service.simulate.engine import (
     PERIOD_S,
     CarbonClock,
     SimulationConfig,
-    _budget_periods,
     _extend_periods,
+    run_budget_periods,
 )
 from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 
@@ -110,11 +110,7 @@ def avg_jct_lower_bound(
     if not jobs:
         raise ValueError("no jobs")
     # Budget periods exactly as the replay of all of `jobs` sets them (rejected jobs included).
-    start_s = jobs[0].submission_s
-    last_s = max(
-        max(j.submission_s, j.deadline_s or 0.0, j.submission_s + j.duration_s) for j in jobs
-    )
-    periods = _budget_periods(config, start_s, max(last_s - start_s, config.slot_s))
+    start_s, _, periods = run_budget_periods(config, jobs)
     chosen = [j for j in jobs if only is None or j.job_id in only]
     if not chosen:
         raise ValueError("no job selected")
@@ -183,7 +179,6 @@ class _Solved:
 
 def _boundaries(
     clock: CarbonClock,
-    config: SimulationConfig,
     windows: list[tuple[float, float, float]],
     start_s: float,
     horizon_s: float,
@@ -248,7 +243,7 @@ def _solve(
         spent = [0.0] * len(periods)
         _extend_periods(config, periods, spent, periods[0][2], horizon_s + PERIOD_S["day"])
     windows = _windows(config, periods, start_s, horizon_s)
-    edges = _boundaries(clock, config, windows, start_s, horizon_s)
+    edges = _boundaries(clock, windows, start_s, horizon_s)
     begin, end = edges[:-1], edges[1:]
     length = end - begin
     num_slots = len(begin)
@@ -375,7 +370,7 @@ def _solve(
     y_ub = np.minimum(np.asarray(res.ineqlin.marginals), 0.0)
     y_eq = np.asarray(res.eqlin.marginals)
     reduced = c_vec - a_ub.T @ y_ub - a_eq.T @ y_eq
-    dual = float(np.minimum(reduced * 0.0, reduced * ub).sum() + y_ub @ b_vec + y_eq @ b_eq)
+    dual = float(np.minimum(0.0, reduced * ub).sum() + y_ub @ b_vec + y_eq @ b_eq)
     tail = float(res.x[np.asarray(tail_cols)].sum())
     return _Solved(
         bound_sum_s=dual + constant_s,

@@ -224,12 +224,7 @@ def simulate_trace(
     clock = CarbonClock(series, config.pue)
     capacity = config.capacity_gpus
     slot_s = config.slot_s
-    start_s = jobs[0].submission_s
-    last_s = max(
-        max(j.submission_s, j.deadline_s or 0.0, j.submission_s + j.duration_s) for j in jobs
-    )
-    run_span_s = max(last_s - start_s, slot_s)
-    periods = _budget_periods(config, start_s, run_span_s)
+    start_s, run_span_s, periods = run_budget_periods(config, jobs)
     spent_kg = [0.0] * len(periods)
     periods_in_span = len(periods)
     period_share_kg = periods[0][2] if periods else 0.0
@@ -363,6 +358,18 @@ def simulate_trace(
         ticks,
         max(now, last_activity_s),
     )
+
+
+def run_budget_periods(
+    config: SimulationConfig, jobs: list[TraceJob]
+) -> tuple[float, float, list[tuple[float, float, float]]]:
+    """(start_s, span_s, budget periods) of a replay of `jobs`: the trace's span sets the periods."""
+    start_s = jobs[0].submission_s
+    last_s = max(
+        max(j.submission_s, j.deadline_s or 0.0, j.submission_s + j.duration_s) for j in jobs
+    )
+    span_s = max(last_s - start_s, config.slot_s)
+    return start_s, span_s, _budget_periods(config, start_s, span_s)
 
 
 def _budget_periods(
