@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -16,6 +17,7 @@ from energy_model.carbon.forecast import CarbonForecast
 from energy_model.carbon.resilient import ResilientCarbonSource
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import AllocationPlan
+from scheduler_service.budget.watchdog import SpendExpectation, replan_reason
 from scheduler_service.carbon.service import (
     anchor_replay,
     make_carbon_source,
@@ -28,7 +30,7 @@ from scheduler_service.dispatch import service as dispatch
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.leader import LeaderLock
-from scheduler_service.ledger import charge_new_telemetry
+from scheduler_service.ledger import charge_new_telemetry, current_period
 from scheduler_service.nodes.agent_client import AgentClient, AgentRejected, AgentUnreachable
 from scheduler_service.nodes.service import mark_lost_nodes
 from scheduler_service.planning import JobModels, build_problem, plan_row
@@ -76,6 +78,11 @@ class ControlLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.ticks = 0
+        # Charging telemetry happens in the tick and in the budget watchdog (worker threads):
+        # one at a time, or both would charge the same samples and one commit would fail.
+        self._ledger_lock = threading.Lock()
+        self._spend_expectation: SpendExpectation | None = None
+        self.budget_wakes = 0
         # When this replica became leader: heartbeats are judged only after a full timeout,
         # so a scheduler restart does not declare every node lost.
         self.leader_since: datetime | None = None
@@ -107,16 +114,33 @@ class ControlLoop:
             if self.leader_since is None:
                 continue
             try:
-                forecast = await self.carbon.get_forecast(int(max(interval_s, 60)))
-                await asyncio.to_thread(self._record_now, forecast)
+                await self.sample_carbon_once(interval_s)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("recording the carbon intensity failed")
 
-    def _record_now(self, forecast: CarbonForecast) -> None:
-        with transaction(self.session_factory) as session:
+    async def sample_carbon_once(self, interval_s: float) -> str | None:
+        """Record the intensity now and run the budget watchdog; wake the tick if it says why."""
+        forecast = await self.carbon.get_forecast(int(max(interval_s, 60)))
+        reason = await asyncio.to_thread(self._record_now, forecast)
+        if reason is not None:
+            log.warning("budget watchdog: %s; planning again now", reason)
+            self.budget_wakes += 1
+            self.wake()
+        return reason
+
+    def _record_now(self, forecast: CarbonForecast) -> str | None:
+        with self._ledger_lock, transaction(self.session_factory) as session:
             record_intensity_now(session, forecast)
+            if self.config.budget.enforcement != "hard" or not charge_new_telemetry(
+                session, self.config
+            ):
+                return None
+            now = utcnow()
+            return replan_reason(
+                current_period(session, self.config, now), self._spend_expectation, now
+            )
 
     async def _tick_forever(self) -> None:
         while not self._stopping:
@@ -166,7 +190,7 @@ class ControlLoop:
         return TickReport(now, planned, len(deliveries), acked, failed, forecast.degraded, status)
 
     def _plan(self, forecast: CarbonForecast, now: datetime) -> tuple[int, str | None]:
-        with transaction(self.session_factory) as session:
+        with self._ledger_lock, transaction(self.session_factory) as session:
             record_forecast(session, forecast)
             timeout_s = self.config.cluster.heartbeat_timeout_s
             if self.leader_since is None or (now - self.leader_since).total_seconds() >= timeout_s:
@@ -189,6 +213,9 @@ class ControlLoop:
                 seed=self.config.planner.seed,
             )
             self.previous = plan
+            self._spend_expectation = SpendExpectation.of_plan(
+                plan, current_period(session, self.config, now)
+            )
             repo = AllocationRepository(session)
             repo.add_plan(plan_row(plan, planning.problem, forecast.degraded))
             repo.prune_plans(PLANS_KEPT)

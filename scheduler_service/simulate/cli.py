@@ -70,6 +70,7 @@ def report_table(report: SimulationReport) -> Table:
             "budget violations",
             f"{report.budget_violations} ({report.budget_overshoot_kg:.3f} kg over)",
         ),
+        ("steps the budget watchdog cut short", str(report.budget_cuts)),
         ("GPU utilisation", f"{report.gpu_utilisation:.1%}"),
         ("GPU-count changes", str(report.gpu_changes)),
         (

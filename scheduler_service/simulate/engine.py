@@ -154,6 +154,9 @@ class SimulationReport:
     budget_periods_after_span: int
     budget_violations: int
     budget_overshoot_kg: float
+    # Steps the budget watchdog cut short: real power reached the period's budget before the
+    # plan's slot ended (model or forecast error), so the policy re-planned at once.
+    budget_cuts: int
     gpu_utilisation: float
     gpu_changes: int
     ticks: int
@@ -244,6 +247,7 @@ def simulate_trace(
         # A spent daily/weekly budget comes back with the next period: wait for it.
         idle_limit += math.ceil(PERIOD_S[config.budget_period] / slot_s)
     last_activity_s = start_s
+    budget_cuts = 0
     while ticks < config.max_ticks:
         _extend_periods(
             config, periods, spent_kg, period_share_kg, now + 2 * config.horizon_slots * slot_s
@@ -297,6 +301,7 @@ def simulate_trace(
         # Event-driven like ElasticFlow's simulator: apply slot one until the slot ends, a job
         # arrives or a job finishes, whichever comes first, then re-plan.
         moves: dict[str, tuple[int, float, bool]] = {}
+        runs: list[tuple[float, float]] = []  # (real power_w, s until it finishes) per running job
         step_s = slot_s
         if next_arrival < len(pending):
             step_s = min(step_s, max(pending[next_arrival].submission_s - now, 1.0))
@@ -308,9 +313,17 @@ def simulate_trace(
             switch = config.switch_s if changed else (state.stall_s if gpus > 0 else 0.0)
             moves[job_id] = (gpus, switch, changed)
             if gpus > 0:
-                rate = state.tables.throughput_samples_per_s[state.tables.allowed_gpus.index(gpus)]
-                step_s = min(step_s, switch + state.remaining_samples / rate)
+                k = state.tables.allowed_gpus.index(gpus)
+                need_s = switch + state.remaining_samples / state.tables.throughput_samples_per_s[k]
+                runs.append((state.tables.power_w[k], need_s))
+                step_s = min(step_s, need_s)
         step_s = max(step_s, 1e-3)
+        # The service's budget watchdog: real power (not the plan's model of it) reaching the
+        # period's budget stops the step there, and the next plan sees the budget spent.
+        cut_s = budget_cut_s(clock, periods, spent_kg, now, step_s, runs)
+        if cut_s < step_s:
+            budget_cuts += 1
+            step_s = max(cut_s, 1e-3)
         for job_id in list(active):
             state = states[job_id]
             gpus, switch, changed = moves[job_id]
@@ -357,6 +370,7 @@ def simulate_trace(
         last_activity_s,
         ticks,
         max(now, last_activity_s),
+        budget_cuts,
     )
 
 
@@ -429,6 +443,57 @@ def _charge(
         overlap = min(end, at_s + run_s) - max(begin, at_s)
         if overlap > 0 and run_s > 0:
             spent[i] += kg * overlap / run_s
+
+
+def budget_cut_s(
+    clock: CarbonClock,
+    periods: list[tuple[float, float, float]],
+    spent_kg: list[float],
+    now: float,
+    step_s: float,
+    runs: list[tuple[float, float]],
+) -> float:
+    """How long a step from `now` may last before its real spend exceeds the current period's budget.
+
+    `runs` holds (power_w, need_s) per running job: it draws power_w until it finishes need_s
+    from now. Returns `step_s` when the whole step fits, else the cut: at the period's end when
+    only the part charged across it overspends (charged by time share, as `_charge` does), or
+    the moment the spend reaches the budget (bisection: spend grows with time inside a period).
+    """
+    current = next(
+        (i for i, (begin, end, _) in enumerate(periods) if begin <= now < end and end > begin),
+        None,
+    )
+    if current is None or not runs:
+        return step_s
+    _, end, share_kg = periods[current]
+    left_kg = share_kg - spent_kg[current]
+
+    def charged_kg(span_s: float) -> float:
+        total = 0.0
+        for power_w, need_s in runs:
+            run_s = min(span_s, need_s)
+            if run_s <= 0:
+                continue
+            overlap_s = min(end, now + run_s) - now
+            total += power_w * clock.kg_per_w(now, now + run_s) * overlap_s / run_s
+        return total
+
+    # A relative tolerance: spend equal to the budget up to rounding is not an overspend.
+    tolerance_kg = 1e-9 * max(share_kg, 1e-9)
+    if charged_kg(step_s) <= left_kg + tolerance_kg:
+        return step_s
+    inside_s = min(step_s, end - now)
+    if charged_kg(inside_s) <= left_kg + tolerance_kg:
+        return inside_s
+    lo, hi = 0.0, inside_s
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if charged_kg(mid) <= left_kg:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _new_state(
@@ -539,6 +604,7 @@ def _report(
     end_s: float,
     ticks: int,
     stop_s: float,
+    budget_cuts: int,
 ) -> SimulationReport:
     outcomes = []
     for job in jobs:
@@ -598,6 +664,7 @@ def _report(
         budget_periods_after_span=extra_periods,
         budget_violations=sum(1 for x in overshoot if x > 1e-6),
         budget_overshoot_kg=sum(overshoot),
+        budget_cuts=budget_cuts,
         gpu_utilisation=busy_gpu_s / (config.capacity_gpus * makespan),
         gpu_changes=sum(o.gpu_changes for o in outcomes),
         ticks=ticks,

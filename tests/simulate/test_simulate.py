@@ -22,6 +22,7 @@ from scheduler_service.simulate.engine import (
     SimulationError,
     _JobState,
     _spec,
+    budget_cut_s,
     simulate_trace,
 )
 from scheduler_service.simulate.trace import JobTables, TraceError, TraceJob, load_trace
@@ -314,3 +315,61 @@ def test_cli_without_profiles_names_the_option_when_the_default_is_absent(
     assert result.exit_code == 2
     assert "--profiles" in result.output and "absent" in result.output
     assert not out.exists()
+
+
+def test_budget_watchdog_cuts_a_step_where_real_spend_reaches_the_budget(tmp_path: Path) -> None:
+    series = load_intensity_csv(write_series(tmp_path, [100.0] * 48))
+    clock = CarbonClock(series, pue=1.0)
+    # 1 kW at 100 g/kWh spends 1 kg per 10 h: 0.01 kg lasts 360 s.
+    periods = [(0.0, 86_400.0, 0.05)]
+    cut_s = budget_cut_s(clock, periods, [0.04], 0.0, 900.0, [(1000.0, 5000.0)])
+    assert cut_s == pytest.approx(360.0, rel=1e-6)
+    # A job that finishes first spends less: the budget still lasts, no cut.
+    assert budget_cut_s(clock, periods, [0.04], 0.0, 900.0, [(1000.0, 300.0)]) == 900.0
+    # Two jobs share what is left: 2 kW until the short one ends at 100 s, then 1 kW.
+    cut_s = budget_cut_s(clock, periods, [0.04], 0.0, 900.0, [(1000.0, 100.0), (1000.0, 5000.0)])
+    assert cut_s == pytest.approx(260.0, rel=1e-6)
+    # A step across the period's end into a dirtier day: the simulator charges such a step to
+    # each period by its share of time, so it is cut at the period's end, where the next plan
+    # starts on the fresh budget; with less left, where the budget runs out.
+    dirty = CarbonClock(
+        load_intensity_csv(write_series(tmp_path, [100.0] * 24 + [1000.0] * 24)), 1.0
+    )
+    two_days = [(0.0, 86_400.0, 0.05), (86_400.0, 172_800.0, 0.05)]
+    start_s = 86_400.0 - 100.0
+    run = [(1000.0, 5000.0)]
+    assert budget_cut_s(dirty, two_days, [0.04, 0.0], start_s, 900.0, run) == pytest.approx(100.0)
+    cut_s = budget_cut_s(dirty, two_days, [0.049, 0.0], start_s, 900.0, run)
+    assert cut_s == pytest.approx(36.0, rel=1e-6)
+    # No budget (no periods) never cuts.
+    assert budget_cut_s(clock, [], [], 0.0, 900.0, [(1000.0, 5000.0)]) == 900.0
+
+
+def test_hard_budget_holds_under_model_and_forecast_error(tmp_path: Path) -> None:
+    profiles = load_scaling_profiles(write_profiles(tmp_path))
+    series = load_intensity_csv(write_series(tmp_path, [400.0, 50.0, 250.0, 120.0] * 12))
+    rows = [f"j{i},{i * 600},{36000 * (1 + i % 3)},toy,,32,2,3600" for i in range(6)]
+    jobs = load_trace(write_trace(tmp_path, rows))
+    free = simulate_trace(
+        jobs, series, profiles, SimulationConfig(policy="greenflow", num_nodes=1, gpus_per_node=4)
+    )
+    cuts = 0
+    for seed in range(3):
+        config = SimulationConfig(
+            policy="greenflow",
+            num_nodes=1,
+            gpus_per_node=4,
+            budget_kg=free.emissions_kg * 0.5,
+            budget_period="day",
+            horizon_slots=12,
+            model_error=0.3,
+            forecast_error=0.2,
+            seed=seed,
+        )
+        report = simulate_trace(jobs, series, profiles, config)
+        # Plans see wrong power and intensity; the watchdog still keeps the real spend in budget.
+        assert report.budget_violations == 0, seed
+        assert report.finished == len(jobs)
+        cuts += report.budget_cuts
+    # The errors made some plan overspend in reality, and the watchdog is what stopped it.
+    assert cuts > 0

@@ -1,0 +1,92 @@
+"""The budget watchdog: between ticks, tell when the measured spend puts a hard budget at risk.
+
+A plan keeps each period within its budget for the *predicted* power and intensity. When the
+jobs draw more than their models said, or the grid is dirtier than forecast, the ledger can pass
+the budget before the next slot's tick re-plans. The control loop's carbon sampler charges new
+telemetry several times a slot and asks `replan_reason`; a reason wakes the tick at once, and the
+new plan sees what is really left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from scheduler_service.allocation.problem import AllocationPlan
+from scheduler_service.ledger import PeriodStatus
+
+# Spending above the plan by less than this share of the plan is noise, not a reason to re-plan.
+SPEND_TOLERANCE = 0.1
+
+
+@dataclass(frozen=True)
+class SpendExpectation:
+    """What the last plan expects the current budget period to spend, and from which ledger state."""
+
+    period_start_at: datetime
+    period_end_at: datetime
+    spent_at_plan_kg: float
+    plan_start_at: datetime
+    slot_s: float
+    planned_kg_per_slot: tuple[float, ...]
+
+    @classmethod
+    def of_plan(cls, plan: AllocationPlan, period: PeriodStatus) -> SpendExpectation:
+        """The expectation of `plan`, made when `period` had spent what it shows."""
+        return cls(
+            period_start_at=period.start_at,
+            period_end_at=period.end_at,
+            spent_at_plan_kg=period.spent_kg,
+            plan_start_at=plan.start_at,
+            slot_s=plan.slot_s,
+            planned_kg_per_slot=tuple(plan.emissions_kg_per_slot),
+        )
+
+    def planned_kg_between(self, start_at: datetime, end_at: datetime) -> float:
+        """Planned kg over [start_at, end_at), clipped to the period (slots by time share)."""
+        lo = max(start_at, self.plan_start_at, self.period_start_at)
+        hi = min(end_at, self.period_end_at)
+        if hi <= lo:
+            return 0.0
+        lo_s = (lo - self.plan_start_at).total_seconds()
+        hi_s = (hi - self.plan_start_at).total_seconds()
+        total = 0.0
+        for t, kg in enumerate(self.planned_kg_per_slot):
+            overlap_s = min(hi_s, (t + 1) * self.slot_s) - max(lo_s, t * self.slot_s)
+            if overlap_s > 0:
+                total += kg * overlap_s / self.slot_s
+        return total
+
+
+def replan_reason(
+    status: PeriodStatus, expectation: SpendExpectation | None, now: datetime
+) -> str | None:
+    """Why the spend measured so far needs a new plan now (None when it does not)."""
+    same_period = expectation is not None and expectation.period_start_at == status.start_at
+    if status.spent_kg >= status.limit_kg:
+        if (
+            same_period
+            and expectation is not None
+            and expectation.spent_at_plan_kg >= status.limit_kg
+        ):
+            return None  # the plan in force already knew the budget was spent
+        return (
+            f"the budget of the period from {status.start_at.isoformat()} is spent "
+            f"({status.spent_kg:.6g} of {status.limit_kg:.6g} kg)"
+        )
+    if not same_period or expectation is None:
+        return None  # a new period began since the plan: the slot's tick re-plans it
+    expected_kg = expectation.planned_kg_between(expectation.plan_start_at, now)
+    actual_kg = status.spent_kg - expectation.spent_at_plan_kg
+    if expected_kg <= 0 or actual_kg <= expected_kg * (1 + SPEND_TOLERANCE):
+        return None
+    # At the measured rate over the plan's, what the plan allows for the rest of the period.
+    ratio = actual_kg / expected_kg
+    rest_kg = expectation.planned_kg_between(now, status.end_at) * ratio
+    if status.spent_kg + rest_kg <= status.limit_kg:
+        return None
+    return (
+        f"jobs spend {ratio:.2f}x what the plan expected ({actual_kg:.6g} vs "
+        f"{expected_kg:.6g} kg since it began): at that rate the period's "
+        f"{status.limit_kg:.6g} kg budget would be overspent"
+    )
