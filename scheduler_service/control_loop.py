@@ -108,7 +108,7 @@ class ControlLoop:
 
     async def _sample_carbon(self) -> None:
         """Record the intensity now, several times a slot, so the ledger charges what was real."""
-        interval_s = min(max(self.config.planner.slot_s / 5, 1.0), 300.0)
+        interval_s = self.config.planner.budget_check_s()
         while not self._stopping:
             await asyncio.sleep(interval_s)
             if self.leader_since is None:

@@ -81,9 +81,18 @@ class PlannerConfig(BaseModel):
     slot_s: Annotated[int, Field(ge=1, le=86_400)] = 300
     horizon_s: Annotated[int, Field(ge=60, le=14 * 86_400)] = 86_400
     solver_time_limit_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    # How often, between ticks, the loop records the intensity now, charges new telemetry and
+    # checks the hard budget (the budget watchdog); None: slot_s / 5, within 1-300 s.
+    budget_check_interval_s: Annotated[float | None, Field(gt=0, le=3600)] = None
     # The allocation policy the control loop and admission both use (names of POLICIES).
     policy: PolicyName = "greenflow"
     seed: int = 0
+
+    def budget_check_s(self) -> float:
+        """Seconds between the loop's intensity samples and budget checks."""
+        if self.budget_check_interval_s is not None:
+            return self.budget_check_interval_s
+        return min(max(self.slot_s / 5, 1.0), 300.0)
 
 
 class ClusterConfig(BaseModel):
