@@ -609,8 +609,8 @@ class SolveSteps:
     estimates of the steps that run add up to at most the limit. The first greedy round runs in
     any case (without it there may be no plan); a forced LP (`use_lp=True`) is charged even when
     it does not fit. Order: first greedy round, LP with its roundings, near-deadline MIP, exact
-    MIP, baselines, further greedy rounds, the chase round, local-search passes over the best
-    plan, deadline-repair moves (as many as what is left pays for). Candidate evaluations and
+    MIP, baselines, further greedy rounds, the chase round, deadline-repair moves (as many as
+    what is left pays for), local-search passes over the best plan. Candidate evaluations and
     the plan's report are not estimated.
     """
 
@@ -681,12 +681,6 @@ def plan_steps(
     ):
         rounds += 1
     chase = chase and take("chase", round_s, 1.0)
-    passes = 0
-    pass_s = polish_pass_s(problem)
-    while passes < POLISH_MAX_PASSES and take(
-        f"polish_{passes + 1}", pass_s, POLISH_SHARE, passes * pass_s
-    ):
-        passes += 1
     trials = 0
     if run_lp and len(problem.jobs) <= REPAIR_MAX_JOBS:
         trial_s = REPAIR_SECONDS_PER_TRIAL + cells * REPAIR_SECONDS_PER_CELL
@@ -694,6 +688,14 @@ def plan_steps(
         trials = min(REPAIR_MAX_TRIALS, int(left_s // trial_s))
         if trials > 0:
             spent["repair"] = trials * trial_s
+    # Last, so that it takes nothing from the steps before (the repair keeps its moves); where
+    # the repair runs it usually leaves too little for a pass (at <= 1 s).
+    passes = 0
+    pass_s = polish_pass_s(problem)
+    while passes < POLISH_MAX_PASSES and take(
+        f"polish_{passes + 1}", pass_s, POLISH_SHARE, passes * pass_s
+    ):
+        passes += 1
     return SolveSteps(
         greedy_rounds=rounds,
         chase=chase,
@@ -820,17 +822,6 @@ def solve_with_baselines(
             add(plan.gpus, f"heuristic:{name}")
     feasible = [c for c in candidates if _ok(c[2])]
     best = min(feasible, key=lambda c: c[2].objective) if feasible else None
-    polished_by = 0.0
-    polished: dict[str, tuple[int, ...]] | None = None
-    if best is not None and steps.polish_passes > 0:
-        start = np.array(
-            [[j.index_of(g) for g in best[0][j.job_id]] for j in problem.jobs], dtype=np.int64
-        )
-        polished = _to_gpus(problem, arrays, polish(problem, arrays, start, steps.polish_passes))
-        ev = evaluate_gpus(problem, polished)
-        if _ok(ev) and ev.objective < best[2].objective:
-            polished_by = best[2].objective - ev.objective
-            best = (polished, best[1], ev)
     if lp is not None and best is not None and steps.repair_trials > 0:
         savable = {
             j.job_id for j, ok in zip(problem.jobs, lp_deadline_met(problem, lp), strict=True) if ok
@@ -842,6 +833,17 @@ def solve_with_baselines(
             ev = evaluate_gpus(problem, repaired)
             if _ok(ev) and ev.objective < best[2].objective:
                 best = (repaired, "heuristic", ev)
+    polished_by = 0.0
+    polished: dict[str, tuple[int, ...]] | None = None
+    if best is not None and steps.polish_passes > 0:
+        start = np.array(
+            [[j.index_of(g) for g in best[0][j.job_id]] for j in problem.jobs], dtype=np.int64
+        )
+        polished = _to_gpus(problem, arrays, polish(problem, arrays, start, steps.polish_passes))
+        ev = evaluate_gpus(problem, polished)
+        if _ok(ev) and ev.objective < best[2].objective:
+            polished_by = best[2].objective - ev.objective
+            best = (polished, best[1], ev)
     bound = None if lp is None else lp.bound
     status = "heuristic"
     if lp is not None and steps.exact_mip:
