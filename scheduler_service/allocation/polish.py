@@ -4,14 +4,17 @@ Why this exists: the greedy (greedy.py) decides each slot with estimated values 
 times from the round before), so its plan can leave a GPU with a job whose objective gains less
 from it than another job in the same slot would. The objective is a sum of per-job terms
 (completion area, tail, carbon, changes, miss) coupled only through each slot's capacity and the
-hard budget periods, so the exact change of the objective from changing one job's row is that
-job's own cost difference. Each pass evaluates, for every job and every slot up to its finish,
-one step up ("buy": more GPUs in slot t, the rest of the row trimmed after the earlier finish)
-and one step down ("sell": fewer GPUs in slot t, the finish re-done in the slots after) with
-numpy over all rows at once, then in every slot pairs the best buys with the cheapest sells
-(at most one move per job and pass) and applies a pair only when it lowers the objective and
-fits capacity and budget everywhere. So the objective never gets worse, and the constraints the
-start plan kept stay kept. Passes are a count (from the problem's size and the time limit, see
+hard budget periods, so the exact change of the objective from rewriting one job's row is that
+job's own cost difference. Each pass builds, for every job and every slot up to its finish, one
+step up ("buy": more GPUs in slot t, the row trimmed after the earlier finish and its finishing
+slot shrunk) and one step down ("sell": fewer GPUs in slot t, the lost work re-finished right
+after the old finish, or in the first later slot with room), evaluates all rows with numpy at
+once, then applies free gains, then the best buys by gain per GPU, each paid for by the
+cheapest sells in the slot short of GPUs and, when a sell's re-finish leaves a later slot
+short, by sells there (a short chain forward in time). A move set is applied only when it lowers
+the objective and fits capacity and budget in every slot, at most one move per job and pass, so
+the objective never gets worse and the constraints the start plan kept stay kept. Passes and
+the work per pass are counts (from the problem's size and the time limit, see
 `solver.plan_steps`), never a clock.
 """
 
