@@ -20,9 +20,16 @@ timed solve. Figures:
   no plan can meet, when it equals `deadlines_impossible`). A positive value means the plan
   lost deadlines the LP kept. `objective_without_misses` / `lp_bound_without_misses` are each
   side with its own M x misses taken out (raw figures, not a gap).
+- `--integer-bound` (slow, ~1 min per tick at 1,000 jobs): a lower bound on the best plan that
+  books whole slots at allowed counts (Lagrangian relaxation of capacity, each job solved alone
+  exactly; scheduler_service/allocation/integer_bound.py), from the LP's capacity prices plus 15 subgradient steps:
+  `integer_bound_without_misses`, `integer_bound_over_lp` (how much of any plan's gap to the LP
+  no integer plan can close) and `gap_to_integer_bound` (the plan's own distance to it, an upper
+  bound on how far it is from the optimum). Only for plans that meet every deadline that can be
+  met (the bound keeps them as constraints).
 Usage:
     python bench/solver_scale.py [--data DIR] [--cases 100:256,1000:2048] [--seed 0]
-        [--time-limit-s 1.0] [--repeat 3] [--no-warm]
+        [--time-limit-s 1.0] [--repeat 3] [--no-warm] [--integer-bound]
     python bench/solver_scale.py --mip-check 60:128:12,150:512:12   # integrality gap (slow)
 """
 
@@ -43,6 +50,7 @@ import numpy as np
 from energy_model.carbon.series import load_intensity_csv
 from energy_model.power import job_power_w
 from energy_model.profiles import load_scaling_profiles
+from scheduler_service.allocation.integer_bound import capacity_duals, integer_bound
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
@@ -135,6 +143,7 @@ def measure(
     time_limit_s: float,
     seed: int,
     repeat: int,
+    integer: bool = False,
 ) -> tuple[dict[str, object], AllocationPlan]:
     """Timed solves (repeated) and the plan's figures against the LP bound (solved untimed)."""
     times = []
@@ -170,11 +179,25 @@ def measure(
         "lp_s_untimed": round(lp_s, 2),
         "gpu_changes": plan.gpu_changes,
     }
+    if integer and misses == impossible:
+        began = time.perf_counter()
+        bound, _ = integer_bound(problem, capacity_duals(problem), rest)
+        figures["integer_bound_without_misses"] = round(bound, 1)
+        figures["integer_bound_over_lp"] = round((bound - rest_bound) / abs(rest_bound), 5)
+        figures["gap_to_integer_bound"] = round((rest - bound) / abs(bound), 5)
+        figures["integer_bound_s_untimed"] = round(time.perf_counter() - began, 1)
     return figures, plan
 
 
 def run_case(
-    num_jobs: int, gpus: int, data: Path, seed: int, time_limit_s: float, repeat: int, warm: bool
+    num_jobs: int,
+    gpus: int,
+    data: Path,
+    seed: int,
+    time_limit_s: float,
+    repeat: int,
+    warm: bool,
+    integer: bool = False,
 ) -> dict[str, object]:
     """Solve one case cold, then (optionally) once more one slot later, warm-started."""
     rng = np.random.default_rng(seed)
@@ -186,10 +209,10 @@ def run_case(
         intensity_g_per_kwh=tuple(intensity_day(data)),
         jobs=tuple(jobs),
     )
-    out, cold_plan = measure(problem, None, time_limit_s, seed, repeat)
+    out, cold_plan = measure(problem, None, time_limit_s, seed, repeat, integer)
     if warm:
         later = next_tick(problem, cold_plan)
-        out["warm"], _ = measure(later, cold_plan, time_limit_s, seed, repeat)
+        out["warm"], _ = measure(later, cold_plan, time_limit_s, seed, repeat, integer)
     return out
 
 
@@ -254,6 +277,11 @@ def main() -> None:
         help="JOBS:GPUS:SLOTS,... small cases where the exact MIP is solved too (integrality gap)",
     )
     parser.add_argument("--mip-limit-s", type=float, default=300.0)
+    parser.add_argument(
+        "--integer-bound",
+        action="store_true",
+        help="also a lower bound on the best whole-slot plan (slow; scheduler_service/allocation/integer_bound.py)",
+    )
     args = parser.parse_args()
     if args.mip_check:
         checks = []
@@ -275,6 +303,7 @@ def main() -> None:
                 args.time_limit_s,
                 args.repeat,
                 not args.no_warm,
+                args.integer_bound,
             )
         )
         print(json.dumps(cases[-1]), file=sys.stderr)

@@ -35,6 +35,7 @@ def test_step_estimates_never_add_up_to_more_than_the_limit(
     assert steps.total_s <= time_limit_s + 1e-12 or set(steps.estimates_s) == {"greedy"}
     assert steps.estimates_s.keys() >= {"greedy"}
     assert steps.greedy_rounds == 1 + sum(1 for k in steps.estimates_s if k.startswith("greedy_"))
+    assert steps.polish_passes == sum(1 for k in steps.estimates_s if k.startswith("polish_"))
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, calls: Counter[str], problem: AllocationProblem) -> None:
@@ -44,6 +45,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, calls: Counter[str], problem: Allocati
     real_mip = solver_module.solve_mip
     real_baselines = solver_module.baseline_plans
     real_repair = solver_module.repair_deadlines
+    real_polish = solver_module.polish
 
     def greedy(*args: Any, **kwargs: Any) -> Any:
         calls["chase" if kwargs.get("chase") else "greedy_rounds"] += 1
@@ -66,7 +68,13 @@ def _spy(monkeypatch: pytest.MonkeyPatch, calls: Counter[str], problem: Allocati
         calls["repair_trials"] = args[3] if len(args) > 3 else kwargs["max_trials"]
         return real_repair(*args, **kwargs)
 
+    def polish(*args: Any, **kwargs: Any) -> Any:
+        calls["polish"] += 1
+        calls["polish_passes"] = args[3] if len(args) > 3 else kwargs["passes"]
+        return real_polish(*args, **kwargs)
+
     monkeypatch.setattr(solver_module, "greedy_plan", greedy)
+    monkeypatch.setattr(solver_module, "polish", polish)
     monkeypatch.setattr(solver_module, "solve_lp", lp)
     monkeypatch.setattr(solver_module, "solve_mip", mip)
     monkeypatch.setattr(solver_module, "baseline_plans", baselines)
@@ -100,6 +108,11 @@ def _check_runs_the_planned_steps(
     ran = {"greedy"} | {f"greedy_{n}" for n in range(2, calls["greedy_rounds"] + 1)}
     ran |= {name for name in ("lp", "near_mip", "exact_mip", "baselines", "chase") if calls[name]}
     ran |= {"repair"} if calls["repair"] else set()
+    # The local search runs at most once (not when no candidate keeps the hard constraints),
+    # with exactly the planned passes.
+    assert calls["polish"] <= int(steps.polish_passes > 0)
+    assert calls["polish_passes"] == (steps.polish_passes if calls["polish"] else 0)
+    ran |= {f"polish_{n}" for n in range(1, calls["polish_passes"] + 1)}
     ran_s = sum(steps.estimates_s[name] for name in ran)
     assert ran_s <= time_limit_s + 1e-12 or ran == {"greedy"}
 
