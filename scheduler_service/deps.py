@@ -98,7 +98,11 @@ def reject_unknown_query_params(request: Request) -> None:
     if unknown:
         raise RequestValidationError(
             [
-                {"loc": ["query", name], "msg": "unknown query parameter", "type": "extra_forbidden"}
+                {
+                    "loc": ["query", name],
+                    "msg": "unknown query parameter",
+                    "type": "extra_forbidden",
+                }
                 for name in unknown
             ]
         )

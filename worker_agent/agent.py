@@ -610,7 +610,10 @@ class Agent:
         while len(self.outbox):
             batch = self.outbox.peek(MAX_BATCH)
             resp = self._post(
-                client, "/v1/telemetry", TelemetryReport(samples=batch, node=self.config.name), give_up_after_s
+                client,
+                "/v1/telemetry",
+                TelemetryReport(samples=batch, node=self.config.name),
+                give_up_after_s,
             )
             if resp.status_code == 200:
                 TelemetryAck.model_validate_json(resp.content)

@@ -175,9 +175,7 @@ class ManagedJob:
             stored = self.checkpoints.latest(self.job_id, self.spec)
         try:
             if self.paused is not None:
-                runner.start(
-                    self.job_spec, gpu_slots, state=(self.paused.state, self.paused.step)
-                )
+                runner.start(self.job_spec, gpu_slots, state=(self.paused.state, self.paused.step))
                 self.resumed_from = "memory"
             elif stored is not None:
                 runner.start(self.job_spec, gpu_slots, checkpoint=stored.runtime_checkpoint())

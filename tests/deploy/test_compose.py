@@ -37,7 +37,9 @@ def _parse(args: list[str]) -> str:
     path = ["greenflow"]
     # Typer bundles its own click: recognise groups by what they can do.
     while hasattr(ctx.command, "resolve_command"):
-        name, sub, rest = ctx.command.resolve_command(ctx, [*getattr(ctx, "_protected_args", []), *ctx.args])
+        name, sub, rest = ctx.command.resolve_command(
+            ctx, [*getattr(ctx, "_protected_args", []), *ctx.args]
+        )
         assert sub is not None, f"unknown command {name}"
         path.append(sub.name or "")
         ctx = sub.make_context(sub.name, rest, parent=ctx)
