@@ -28,4 +28,5 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check scheduler_service energy_model worker_agent tests bench migrations
 	$(BIN)/mypy scheduler_service energy_model worker_agent tests bench

@@ -9,6 +9,7 @@ export PATH="$PWD/$BIN:$PATH"
 export GREENFLOW_TEST_POSTGRES_URL="${GREENFLOW_TEST_POSTGRES_URL:-postgresql+psycopg://postgres@127.0.0.1:5432/test}"
 
 echo "== ruff"; ruff check .
+ruff format --check scheduler_service energy_model worker_agent tests bench migrations
 echo "== mypy"; mypy scheduler_service energy_model worker_agent tests bench
 echo "== alembic (upgrade + check, SQLite)"
 tmpdb="$(mktemp -d)/check.db"
