@@ -203,6 +203,8 @@ def greedy_plan(
     price = problem.carbon_price_s_per_kg
     value_per_sample = arrays.priority / arrays.remaining  # times slot_s * (T - t + tail) below
     tail = arrays.tail_slots
+    area_weight = arrays.area_weight
+    beyond = area_weight < 1.0
     done = np.zeros(num_jobs)
     prev = (
         np.array([j.index_of(j.current_gpus) for j in problem.jobs], dtype=np.int64)
@@ -222,10 +224,15 @@ def greedy_plan(
         left = arrays.remaining - done
         active = left > arrays.remaining * 1e-9
         if finish_slots is None:
-            worth = value_per_sample * slot_s * ((num_slots - t) + tail)
+            worth = value_per_sample * slot_s * (area_weight * (num_slots - t) + tail)
         else:
             # Work done now instead of at the job's expected finish saves the slots between.
             worth = value_per_sample * slot_s * np.maximum(finish_slots - t, 1.0)
+            # Under a hard budget a job that cannot finish inside the horizon gains only by the
+            # work done (its tail), not by when (PlanArrays.area_weight).
+            worth = np.where(
+                beyond, value_per_sample * slot_s * (area_weight * (num_slots - t) + tail), worth
+            )
         value = worth[:, None] * np.minimum(thr * slot_s, left[:, None])
         if chase_weight is not None:
             before = np.minimum(thr * dur[:, t][:, None], np.maximum(need - done, 0.0)[:, None])

@@ -18,6 +18,11 @@ SECONDS_PER_HOUR = 3600.0
 WATTS_PER_KILOWATT = 1000.0
 # Cap on the budget-aware tail (slots per unit of leftover work fraction): see budget_tail_slots.
 BUDGET_TAIL_MAX_SLOTS = 1e5
+# Weight of the in-horizon completion area of a job no plan can finish inside the horizon under
+# a hard budget (PlanArrays.area_weight): its completion is past the horizon's end whenever its
+# work runs, so only how much work is done counts; the small remainder only breaks ties between
+# equally clean slots towards earlier work.
+BEYOND_HORIZON_AREA_WEIGHT = 0.01
 
 
 class BudgetMode(StrEnum):
@@ -350,6 +355,20 @@ class PlanArrays:
                 self.tail_slots,
                 budget_tail_slots(self.tail_kg, self.priority, rate_kg_per_s, problem.slot_s),
             )
+        # Per job, the weight of its in-horizon completion area (fractional completion) in the
+        # objective: 1, except under a hard budget for jobs no plan can finish inside the horizon
+        # (least kg to finish above the budget left in the horizon's periods, or too slow even at
+        # the fastest count). Their completion lies past the horizon whenever their work runs, so
+        # rewarding early work there only bought it at dirtier hours and larger, less efficient
+        # counts (docs/allocation.md, "Why the 2x JCT target ..."); the rest of the area becomes
+        # the constant horizon length.
+        self.area_weight = np.ones(self.num_jobs)
+        if problem.budget_mode is BudgetMode.HARD and problem.budget_periods:
+            budget_kg = sum(max(p.budget_left_kg, 0.0) for p, _ in problem.period_slots())
+            beyond = (self.tail_kg > budget_kg * (1 + 1e-9)) | (
+                self.remaining > self.max_throughput * problem.horizon_s * (1 + 1e-9)
+            )
+            self.area_weight[beyond] = BEYOND_HORIZON_AREA_WEIGHT
 
 
 def budget_tail_slots(
@@ -462,7 +481,10 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     emissions = power.sum(axis=0) * problem.slot_emissions_kg_per_w()
     leftover = np.maximum(0.0, 1.0 - done / remaining)
     tail = leftover * arrays.tail_slots
-    weighted_s = float((arrays.priority * slot_s * (unfinished_area + tail)).sum())
+    # A job that cannot finish inside the horizon counts the horizon's length, plus a small share
+    # of its area as a tie-break (PlanArrays.area_weight).
+    area = arrays.area_weight * unfinished_area + (1.0 - arrays.area_weight) * num_slots
+    weighted_s = float((arrays.priority * slot_s * (area + tail)).sum())
     leftover_kg = float((leftover * arrays.tail_kg).sum())
     completion: dict[str, float | None] = {}
     met: dict[str, bool] = {}
