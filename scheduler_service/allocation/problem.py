@@ -357,18 +357,80 @@ class PlanArrays:
             )
         # Per job, the weight of its in-horizon completion area (fractional completion) in the
         # objective: 1, except under a hard budget for jobs no plan can finish inside the horizon
-        # (least kg to finish above the budget left in the horizon's periods, or too slow even at
-        # the fastest count). Their completion lies past the horizon whenever their work runs, so
-        # rewarding early work there only bought it at dirtier hours and larger, less efficient
-        # counts (docs/allocation.md, "Why the 2x JCT target ..."); the rest of the area becomes
-        # the constant horizon length.
+        # (horizon_work_bound). Their completion lies past the horizon whenever their work runs,
+        # so rewarding early work there only bought it at dirtier hours and larger, less
+        # efficient counts (docs/allocation.md, "Why the 2x JCT target ..."); the rest of the
+        # area becomes the constant horizon length.
         self.area_weight = np.ones(self.num_jobs)
         if problem.budget_mode is BudgetMode.HARD and problem.budget_periods:
-            budget_kg = sum(max(p.budget_left_kg, 0.0) for p, _ in problem.period_slots())
-            beyond = (self.tail_kg > budget_kg * (1 + 1e-9)) | (
-                self.remaining > self.max_throughput * problem.horizon_s * (1 + 1e-9)
-            )
+            beyond = horizon_work_bound(problem, self) < self.remaining * (1 - 1e-9)
             self.area_weight[beyond] = BEYOND_HORIZON_AREA_WEIGHT
+
+
+def horizon_work_bound(problem: AllocationProblem, arrays: PlanArrays) -> np.ndarray:
+    """Per job: most samples it can do inside the horizon alone under the hard budgets.
+
+    A relaxation (so an upper bound): each slot charged only to the period holding most of it,
+    the job's counts replaced by their upper concave hull in (W, samples/s) and run fractionally,
+    capacity only through the counts that fit the largest slot; then per period the steps with
+    the most samples per kg first until its budget is spent (a fractional knapsack).
+    """
+    periods = problem.period_slots()
+    kg_per_w = problem.slot_emissions_kg_per_w()
+    if not periods:
+        return arrays.max_throughput * problem.horizon_s
+    shares = np.array([share for _, share in periods])
+    owner = shares.argmax(axis=0)
+    # kg per W of each slot charged to its owning period.
+    slot_kg_per_w = kg_per_w * shares[owner, np.arange(problem.num_slots)]
+    budgets = np.array([max(p.budget_left_kg, 0.0) for p, _ in periods])
+    # Hull points per job, padded with the last point (zero steps).
+    hull_w = np.zeros((arrays.num_jobs, arrays.num_options + 1))
+    hull_rate = np.zeros_like(hull_w)
+    for i in range(arrays.num_jobs):
+        ok = arrays.valid[i]
+        watts, rate = _upper_hull(arrays.power_w[i, ok], arrays.throughput[i, ok])
+        hull_w[i, : len(watts)], hull_w[i, len(watts) :] = watts, watts[-1]
+        hull_rate[i, : len(rate)], hull_rate[i, len(rate) :] = rate, rate[-1]
+    # Steps [job, slot, hull step]: kg and samples each.
+    step_kg = np.diff(hull_w, axis=1)[:, None, :] * slot_kg_per_w[None, :, None]
+    step_samples = np.broadcast_to(
+        np.diff(hull_rate, axis=1)[:, None, :] * problem.slot_s, step_kg.shape
+    )
+    free = step_kg <= 0  # slots no period charges (or zero intensity)
+    out = (step_samples * free).sum(axis=(1, 2))
+    flat = (arrays.num_jobs, -1)
+    for n, budget_kg in enumerate(budgets):
+        mine = (owner == n)[None, :, None] & ~free
+        kg = np.where(mine, step_kg, 0.0).reshape(flat)
+        samples = np.where(mine, step_samples, 0.0).reshape(flat)
+        ratio = np.where(kg > 0, samples / np.where(kg > 0, kg, 1.0), -np.inf)
+        order = np.argsort(-ratio, axis=1, kind="stable")
+        kg = np.take_along_axis(kg, order, axis=1)
+        samples = np.take_along_axis(samples, order, axis=1)
+        spent_before = np.cumsum(kg, axis=1) - kg
+        part = np.clip((budget_kg - spent_before) / np.where(kg > 0, kg, 1.0), 0.0, 1.0)
+        out += (samples * np.where(kg > 0, part, 0.0)).sum(axis=1)
+    return np.asarray(out, dtype=float)
+
+
+def _upper_hull(watts: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Upper concave hull of (0, 0) and the options' (W, samples/s) points, by W."""
+    order = np.argsort(watts, kind="stable")
+    hull = [(0.0, 0.0)]
+    for w, r in zip(watts[order].tolist(), rate[order].tolist(), strict=True):
+        if r <= hull[-1][1]:
+            continue  # more power for no more speed is never on the hull
+        while len(hull) >= 2:
+            (w1, r1), (w2, r2) = hull[-2], hull[-1]
+            # Drop the middle point when it lies on or below the chord to the new one.
+            if (r2 - r1) * (w - w1) <= (r - r1) * (w2 - w1):
+                hull.pop()
+            else:
+                break
+        hull.append((w, r))
+    points = np.array(hull)
+    return points[:, 0], points[:, 1]
 
 
 def budget_tail_slots(
