@@ -203,8 +203,6 @@ def greedy_plan(
     price = problem.carbon_price_s_per_kg
     value_per_sample = arrays.priority / arrays.remaining  # times slot_s * (T - t + tail) below
     tail = arrays.tail_slots
-    area_weight = arrays.area_weight
-    beyond = area_weight < 1.0
     done = np.zeros(num_jobs)
     prev = (
         np.array([j.index_of(j.current_gpus) for j in problem.jobs], dtype=np.int64)
@@ -213,7 +211,7 @@ def greedy_plan(
     )
     plan = np.full((num_jobs, num_slots), -1, dtype=np.int64)
     k_idx = np.arange(arrays.num_options)[None, :]
-    reserve_kg = budget_reserve(problem, state, reserved)
+    reserve_kg = budget_reserve(problem, state)
     chase_weight = None
     if chase:
         unreserved = protect & ~has_res & (need > 0)
@@ -224,15 +222,13 @@ def greedy_plan(
         left = arrays.remaining - done
         active = left > arrays.remaining * 1e-9
         if finish_slots is None:
-            worth = value_per_sample * slot_s * (area_weight * (num_slots - t) + tail)
+            worth = value_per_sample * slot_s * (arrays.later_weight[:, t] + tail)
         else:
-            # Work done now instead of at the job's expected finish saves the slots between.
-            worth = value_per_sample * slot_s * np.maximum(finish_slots - t, 1.0)
-            # Under a hard budget a job that cannot finish inside the horizon gains only by the
-            # work done (its tail), not by when (PlanArrays.area_weight).
-            worth = np.where(
-                beyond, value_per_sample * slot_s * (area_weight * (num_slots - t) + tail), worth
-            )
+            # Work done now instead of at the job's expected finish saves the slots between,
+            # less the slot ends by which no plan can have finished the job (hard budget:
+            # PlanArrays.area_weights), where being early earns nothing.
+            unsure = (num_slots - t) - arrays.later_weight[:, t]
+            worth = value_per_sample * slot_s * np.maximum(finish_slots - t - unsure, 1.0)
         value = worth[:, None] * np.minimum(thr * slot_s, left[:, None])
         if chase_weight is not None:
             before = np.minimum(thr * dur[:, t][:, None], np.maximum(need - done, 0.0)[:, None])
@@ -309,66 +305,25 @@ def _used(choice: np.ndarray, gpus: np.ndarray) -> float:
     return float(np.where(choice >= 0, taken, 0.0).sum())
 
 
-def budget_reserve(
-    problem: AllocationProblem, state: SlotState, reserved: np.ndarray | None = None
-) -> np.ndarray | None:
+def budget_reserve(problem: AllocationProblem, state: SlotState) -> np.ndarray | None:
     """[periods, slots] kg of each hard budget period kept back for the slots after t.
 
-    When the period's budget cannot pay for every job at its most energy-efficient count in all
-    of its slots, it is handed out cleanest slot first (after what the deadline reservations
-    need in each slot), each slot getting what those counts draw there (as many as capacity
-    holds): the most work per kg. Otherwise it is spread over its slots in proportion to
-    1 / intensity^2, so cleaner slots get more of it. A slot may use what the period has left
-    minus this reserve.
+    A period's budget is spread over its slots in proportion to 1 / intensity^2, so cleaner
+    slots get more of it; a slot may use what the period has left minus this reserve.
     """
     if not state.periods:
         return None
     intensity = np.maximum(np.asarray(problem.intensity_g_per_kwh, dtype=float), 1e-3)
     weight = 1.0 / intensity**2
-    demand_w, floor_w = _efficient_draw_w(problem, state, reserved)
     out = np.zeros((len(state.periods), problem.num_slots))
     for n, (period, share) in enumerate(state.periods):
-        budget_kg = max(period.budget_left_kg, 0.0)
-        demand_kg = demand_w * state.kg_per_w * share
-        if budget_kg < float(demand_kg.sum()):
-            floor_kg = np.minimum(floor_w * state.kg_per_w * share, demand_kg)
-            alloc = floor_kg * min(1.0, budget_kg / max(float(floor_kg.sum()), 1e-300))
-            rest = demand_kg - floor_kg
-            # Cleanest first (ties: earlier slot first), each up to its demand.
-            order = np.lexsort((np.arange(problem.num_slots), intensity))
-            before = np.cumsum(rest[order]) - rest[order]
-            left = budget_kg - float(alloc.sum())
-            alloc[order] += np.clip(left - before, 0.0, rest[order])
-        else:
-            mass = weight * share
-            total = float(mass.sum())
-            if total <= 0:
-                continue
-            alloc = budget_kg * mass / total
-        out[n] = np.cumsum(alloc[::-1])[::-1] - alloc  # what the slots after t are allotted
+        mass = weight * share
+        total = float(mass.sum())
+        if total <= 0:
+            continue
+        after = np.cumsum(mass[::-1])[::-1] - mass  # mass of the slots after t
+        out[n] = max(period.budget_left_kg, 0.0) * after / total
     return out
-
-
-def _efficient_draw_w(
-    problem: AllocationProblem, state: SlotState, reserved: np.ndarray | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per slot: (W with every job at its fewest-joules-per-sample count, scaled to capacity;
-    W of the deadline reservations there)."""
-    arrays = state.arrays
-    rows = np.arange(arrays.num_jobs)
-    joules = np.where(arrays.valid, arrays.power_w / np.maximum(arrays.throughput, 1e-12), np.inf)
-    best = joules.argmin(axis=1)
-    watts = float(arrays.power_w[rows, best].sum())
-    gpus = float(arrays.gpus[rows, best].sum())
-    cap = np.asarray(problem.capacity_gpus, dtype=float)
-    demand_w = watts * np.minimum(1.0, cap / max(gpus, 1.0))
-    floor_w = np.zeros(problem.num_slots)
-    if reserved is not None:
-        on = reserved >= 0
-        floor_w = np.where(on, arrays.power_w[rows[:, None], np.maximum(reserved, 0)], 0.0).sum(
-            axis=0
-        )
-    return demand_w, floor_w
 
 
 def _fill_spare(

@@ -18,11 +18,11 @@ SECONDS_PER_HOUR = 3600.0
 WATTS_PER_KILOWATT = 1000.0
 # Cap on the budget-aware tail (slots per unit of leftover work fraction): see budget_tail_slots.
 BUDGET_TAIL_MAX_SLOTS = 1e5
-# Weight of the in-horizon completion area of a job no plan can finish inside the horizon under
-# a hard budget (PlanArrays.area_weight): its completion is past the horizon's end whenever its
-# work runs, so only how much work is done counts; the small remainder only breaks ties between
-# equally clean slots towards earlier work.
-BEYOND_HORIZON_AREA_WEIGHT = 0.01
+# Under a hard budget, the weight of a job's remaining fraction at the end of a slot by which no
+# plan can have finished it (PlanArrays.area_weights): it is unfinished there whatever runs when,
+# so only how much work is done counts; the small weight left only breaks ties between equally
+# clean slots towards earlier work.
+UNFINISHED_SLOT_WEIGHT = 0.01
 
 
 class BudgetMode(StrEnum):
@@ -355,20 +355,48 @@ class PlanArrays:
                 self.tail_slots,
                 budget_tail_slots(self.tail_kg, self.priority, rate_kg_per_s, problem.slot_s),
             )
-        # Per job, the weight of its in-horizon completion area (fractional completion) in the
-        # objective: 1, except under a hard budget for jobs no plan can finish inside the horizon
-        # (horizon_work_bound). Their completion lies past the horizon whenever their work runs,
-        # so rewarding early work there only bought it at dirtier hours and larger, less
-        # efficient counts (docs/allocation.md, "Why the 2x JCT target ..."); the rest of the
-        # area becomes the constant horizon length.
-        self.area_weight = np.ones(self.num_jobs)
+        # [job, slot] weight of the job's remaining fraction at the slot's end in the completion
+        # term: 1, except under a hard budget at the ends of the first slots by which no plan
+        # can have finished the job (certainly_unfinished_slots), where it counts whole anyway.
+        # Fractional completion rewarded early partial work there, which for a job finishing
+        # later only bought its work at dirtier hours and larger, less efficient counts
+        # (docs/allocation.md, "Why the 2x JCT target ..."). The term stays between fractional
+        # and true completion time.
+        self.area_weights = np.ones((self.num_jobs, problem.num_slots))
+        self.unfinished_slots = np.zeros(self.num_jobs, dtype=np.int64)
         if problem.budget_mode is BudgetMode.HARD and problem.budget_periods:
-            beyond = horizon_work_bound(problem, self) < self.remaining * (1 - 1e-9)
-            self.area_weight[beyond] = BEYOND_HORIZON_AREA_WEIGHT
+            self.unfinished_slots = certainly_unfinished_slots(problem, self)
+            early = np.arange(problem.num_slots)[None, :] < self.unfinished_slots[:, None]
+            self.area_weights[early] = UNFINISHED_SLOT_WEIGHT
+        # Weighted slot ends at or after each slot (slot t's work counts at ends t..T-1).
+        self.later_weight = np.cumsum(self.area_weights[:, ::-1], axis=1)[:, ::-1]
 
 
-def horizon_work_bound(problem: AllocationProblem, arrays: PlanArrays) -> np.ndarray:
-    """Per job: most samples it can do inside the horizon alone under the hard budgets.
+def certainly_unfinished_slots(problem: AllocationProblem, arrays: PlanArrays) -> np.ndarray:
+    """Per job: how many leading slots no plan can finish it by (horizon_work_bound; T = none).
+
+    Binary search per job on the prefix length, all jobs at once (log2(T) bounds).
+    """
+    # Smallest prefix (1..T slots) whose work bound covers the remaining work, T + 1 if none.
+    lo = np.ones(arrays.num_jobs, dtype=np.int64)
+    hi = np.full(arrays.num_jobs, problem.num_slots + 1, dtype=np.int64)
+    need = arrays.remaining * (1 - 1e-9)
+    covers_all = horizon_work_bound(problem, arrays) >= need
+    hi = np.where(covers_all, problem.num_slots, hi)
+    lo = np.where(covers_all, lo, hi)
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        covers = horizon_work_bound(problem, arrays, upto=mid) >= need
+        hi = np.where((lo < hi) & covers, mid, hi)
+        lo = np.where((lo < hi) & ~covers, mid + 1, lo)
+    return np.minimum(lo - 1, problem.num_slots)
+
+
+def horizon_work_bound(
+    problem: AllocationProblem, arrays: PlanArrays, upto: np.ndarray | None = None
+) -> np.ndarray:
+    """Per job: most samples it can do alone in the horizon (or its first `upto` slots) under
+    the hard budgets.
 
     A relaxation (so an upper bound): each slot charged only to the period holding most of it,
     the job's counts replaced by their upper concave hull in (W, samples/s) and run fractionally,
@@ -397,6 +425,10 @@ def horizon_work_bound(problem: AllocationProblem, arrays: PlanArrays) -> np.nda
     step_samples = np.broadcast_to(
         np.diff(hull_rate, axis=1)[:, None, :] * problem.slot_s, step_kg.shape
     )
+    if upto is not None:
+        inside = np.arange(problem.num_slots)[None, :] < np.asarray(upto)[:, None]
+        step_kg = step_kg * inside[:, :, None]
+        step_samples = step_samples * inside[:, :, None]
     free = step_kg <= 0  # slots no period charges (or zero intensity)
     out = (step_samples * free).sum(axis=(1, 2))
     flat = (arrays.num_jobs, -1)
@@ -529,6 +561,11 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         / rate[fin_rows, t_fin[fin_rows]]
     )
     unfinished_area = np.where(before, 1.0 - done_after / remaining[:, None], 0.0).sum(axis=1)
+    # The completion term: slot ends where no plan can have finished the job count whole
+    # (PlanArrays.area_weights; all 1 without a hard budget).
+    weighted_area = np.where(
+        before, 1.0 - arrays.area_weights * done_after / remaining[:, None], 0.0
+    ).sum(axis=1)
     done = np.where(finished, remaining, done_after[:, -1])
     # Changes: against the count before (current_gpus for slot 0); a finished job handing its
     # GPUs back is not a hot switch.
@@ -543,10 +580,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     emissions = power.sum(axis=0) * problem.slot_emissions_kg_per_w()
     leftover = np.maximum(0.0, 1.0 - done / remaining)
     tail = leftover * arrays.tail_slots
-    # A job that cannot finish inside the horizon counts the horizon's length, plus a small share
-    # of its area as a tie-break (PlanArrays.area_weight).
-    area = arrays.area_weight * unfinished_area + (1.0 - arrays.area_weight) * num_slots
-    weighted_s = float((arrays.priority * slot_s * (area + tail)).sum())
+    weighted_s = float((arrays.priority * slot_s * (weighted_area + tail)).sum())
     leftover_kg = float((leftover * arrays.tail_kg).sum())
     completion: dict[str, float | None] = {}
     met: dict[str, bool] = {}
