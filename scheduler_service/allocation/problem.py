@@ -375,21 +375,22 @@ class PlanArrays:
 def certainly_unfinished_slots(problem: AllocationProblem, arrays: PlanArrays) -> np.ndarray:
     """Per job: how many leading slots no plan can finish it by (horizon_work_bound; T = none).
 
-    Binary search per job on the prefix length, all jobs at once (log2(T) bounds).
+    Binary search per job on the prefix length, all jobs at once (log2(T) + 1 bounds, sharing
+    one sort of the knapsack steps).
     """
+    bound = _WorkBound(problem, arrays)
     # Smallest prefix (1..T slots) whose work bound covers the remaining work, T + 1 if none.
-    lo = np.ones(arrays.num_jobs, dtype=np.int64)
-    hi = np.full(arrays.num_jobs, problem.num_slots + 1, dtype=np.int64)
     need = arrays.remaining * (1 - 1e-9)
-    covers_all = horizon_work_bound(problem, arrays) >= need
-    hi = np.where(covers_all, problem.num_slots, hi)
-    lo = np.where(covers_all, lo, hi)
+    covers_all = bound.work(np.full(arrays.num_jobs, problem.num_slots)) >= need
+    lo = np.where(covers_all, 1, problem.num_slots + 1)
+    hi = np.where(covers_all, problem.num_slots, problem.num_slots + 1)
     while np.any(lo < hi):
         mid = (lo + hi) // 2
-        covers = horizon_work_bound(problem, arrays, upto=mid) >= need
-        hi = np.where((lo < hi) & covers, mid, hi)
-        lo = np.where((lo < hi) & ~covers, mid + 1, lo)
-    return np.minimum(lo - 1, problem.num_slots)
+        covers = bound.work(mid) >= need
+        open_ = lo < hi
+        hi = np.where(open_ & covers, mid, hi)
+        lo = np.where(open_ & ~covers, mid + 1, lo)
+    return np.asarray(np.minimum(lo - 1, problem.num_slots), dtype=np.int64)
 
 
 def horizon_work_bound(
@@ -403,47 +404,74 @@ def horizon_work_bound(
     capacity only through the counts that fit the largest slot; then per period the steps with
     the most samples per kg first until its budget is spent (a fractional knapsack).
     """
-    periods = problem.period_slots()
-    kg_per_w = problem.slot_emissions_kg_per_w()
-    if not periods:
-        return arrays.max_throughput * problem.horizon_s
-    shares = np.array([share for _, share in periods])
-    owner = shares.argmax(axis=0)
-    # kg per W of each slot charged to its owning period.
-    slot_kg_per_w = kg_per_w * shares[owner, np.arange(problem.num_slots)]
-    budgets = np.array([max(p.budget_left_kg, 0.0) for p, _ in periods])
-    # Hull points per job, padded with the last point (zero steps).
-    hull_w = np.zeros((arrays.num_jobs, arrays.num_options + 1))
-    hull_rate = np.zeros_like(hull_w)
-    for i in range(arrays.num_jobs):
-        ok = arrays.valid[i]
-        watts, rate = _upper_hull(arrays.power_w[i, ok], arrays.throughput[i, ok])
-        hull_w[i, : len(watts)], hull_w[i, len(watts) :] = watts, watts[-1]
-        hull_rate[i, : len(rate)], hull_rate[i, len(rate) :] = rate, rate[-1]
-    # Steps [job, slot, hull step]: kg and samples each.
-    step_kg = np.diff(hull_w, axis=1)[:, None, :] * slot_kg_per_w[None, :, None]
-    step_samples = np.broadcast_to(
-        np.diff(hull_rate, axis=1)[:, None, :] * problem.slot_s, step_kg.shape
-    )
-    if upto is not None:
-        inside = np.arange(problem.num_slots)[None, :] < np.asarray(upto)[:, None]
-        step_kg = step_kg * inside[:, :, None]
-        step_samples = step_samples * inside[:, :, None]
-    free = step_kg <= 0  # slots no period charges (or zero intensity)
-    out = (step_samples * free).sum(axis=(1, 2))
-    flat = (arrays.num_jobs, -1)
-    for n, budget_kg in enumerate(budgets):
-        mine = (owner == n)[None, :, None] & ~free
-        kg = np.where(mine, step_kg, 0.0).reshape(flat)
-        samples = np.where(mine, step_samples, 0.0).reshape(flat)
-        ratio = np.where(kg > 0, samples / np.where(kg > 0, kg, 1.0), -np.inf)
-        order = np.argsort(-ratio, axis=1, kind="stable")
-        kg = np.take_along_axis(kg, order, axis=1)
-        samples = np.take_along_axis(samples, order, axis=1)
-        spent_before = np.cumsum(kg, axis=1) - kg
-        part = np.clip((budget_kg - spent_before) / np.where(kg > 0, kg, 1.0), 0.0, 1.0)
-        out += (samples * np.where(kg > 0, part, 0.0)).sum(axis=1)
-    return np.asarray(out, dtype=float)
+    if upto is None:
+        upto = np.full(arrays.num_jobs, problem.num_slots)
+    return _WorkBound(problem, arrays).work(upto)
+
+
+class _WorkBound:
+    """horizon_work_bound's knapsack steps, sorted once per period, for any prefix length."""
+
+    def __init__(self, problem: AllocationProblem, arrays: PlanArrays) -> None:
+        num_jobs, num_slots = arrays.num_jobs, problem.num_slots
+        self.num_slots = num_slots
+        self.max_rate = arrays.max_throughput * problem.slot_s
+        periods = problem.period_slots()
+        self.periods: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.free_samples = np.zeros((num_jobs, num_slots))
+        if not periods:
+            return
+        kg_per_w = problem.slot_emissions_kg_per_w()
+        shares = np.array([share for _, share in periods])
+        owner = shares.argmax(axis=0)
+        # kg per W of each slot charged to its owning period.
+        slot_kg_per_w = kg_per_w * shares[owner, np.arange(num_slots)]
+        # Hull points per job, padded with the last point (zero steps).
+        hull_w = np.zeros((num_jobs, arrays.num_options + 1))
+        hull_rate = np.zeros_like(hull_w)
+        for i in range(num_jobs):
+            ok = arrays.valid[i]
+            watts, rate = _upper_hull(arrays.power_w[i, ok], arrays.throughput[i, ok])
+            hull_w[i, : len(watts)], hull_w[i, len(watts) :] = watts, watts[-1]
+            hull_rate[i, : len(rate)], hull_rate[i, len(rate) :] = rate, rate[-1]
+        # Steps [job, slot, hull step]: kg and samples each.
+        step_kg = np.diff(hull_w, axis=1)[:, None, :] * slot_kg_per_w[None, :, None]
+        step_samples = np.broadcast_to(
+            np.diff(hull_rate, axis=1)[:, None, :] * problem.slot_s, step_kg.shape
+        )
+        free = step_kg <= 0  # slots no period charges (or zero intensity)
+        self.free_samples = np.where(free, step_samples, 0.0).sum(axis=2)
+        step_slot = np.broadcast_to(np.arange(num_slots)[None, :, None], step_kg.shape)
+        flat = (num_jobs, -1)
+        for n, (period, _) in enumerate(periods):
+            mine = (owner == n)[None, :, None] & ~free
+            kg = np.where(mine, step_kg, 0.0).reshape(flat)
+            samples = np.where(mine, step_samples, 0.0).reshape(flat)
+            ratio = np.where(kg > 0, samples / np.where(kg > 0, kg, 1.0), -np.inf)
+            order = np.argsort(-ratio, axis=1, kind="stable")
+            self.periods.append(
+                (
+                    max(period.budget_left_kg, 0.0),
+                    np.take_along_axis(kg, order, axis=1),
+                    np.take_along_axis(samples, order, axis=1),
+                    np.take_along_axis(step_slot.reshape(flat), order, axis=1),
+                )
+            )
+
+    def work(self, upto: np.ndarray) -> np.ndarray:
+        """Per job: the bound on its samples in its first `upto` slots."""
+        upto = np.asarray(upto)
+        if not self.periods:
+            return np.asarray(self.max_rate * np.minimum(upto, self.num_slots), dtype=float)
+        inside = np.arange(self.num_slots)[None, :] < upto[:, None]
+        out = np.where(inside, self.free_samples, 0.0).sum(axis=1)
+        for budget_kg, kg_all, samples_all, slot in self.periods:
+            keep = slot < upto[:, None]
+            kg = np.where(keep, kg_all, 0.0)
+            spent_before = np.cumsum(kg, axis=1) - kg
+            part = np.clip((budget_kg - spent_before) / np.where(kg > 0, kg, 1.0), 0.0, 1.0)
+            out += np.where(kg > 0, samples_all * part, 0.0).sum(axis=1)
+        return np.asarray(out, dtype=float)
 
 
 def _upper_hull(watts: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
