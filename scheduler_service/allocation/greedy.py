@@ -222,13 +222,10 @@ def greedy_plan(
         left = arrays.remaining - done
         active = left > arrays.remaining * 1e-9
         if finish_slots is None:
-            worth = value_per_sample * slot_s * (arrays.later_weight[:, t] + tail)
+            worth = value_per_sample * slot_s * ((num_slots - t) + tail)
         else:
-            # Work done now instead of at the job's expected finish saves the slots between,
-            # less the slot ends by which no plan can have finished the job (hard budget:
-            # PlanArrays.area_weights), where being early earns nothing.
-            unsure = (num_slots - t) - arrays.later_weight[:, t]
-            worth = value_per_sample * slot_s * np.maximum(finish_slots - t - unsure, 1.0)
+            # Work done now instead of at the job's expected finish saves the slots between.
+            worth = value_per_sample * slot_s * np.maximum(finish_slots - t, 1.0)
         value = worth[:, None] * np.minimum(thr * slot_s, left[:, None])
         if chase_weight is not None:
             before = np.minimum(thr * dur[:, t][:, None], np.maximum(need - done, 0.0)[:, None])

@@ -118,7 +118,7 @@ def build_model(
     x_progress = arrays.progress[opt_job, opt_k]
 
     # Objective (divided by slot_s): finished slots earn w, leftover costs w * tail, misses M.
-    cost[d0:l0] = -(w[:, None] * arrays.area_weights).ravel()
+    cost[d0:l0] = -np.repeat(w, num_slots)
     cost[l0:m0] = w * arrays.tail_slots + (problem.carbon_price_s_per_kg / slot_s) * arrays.tail_kg
     miss_cost = problem.deadline_miss_cost_s() / slot_s
     cost[m0:h0] = miss_cost
@@ -301,12 +301,10 @@ def build_compact_lp(problem: AllocationProblem, arrays: PlanArrays) -> CompactL
     power = arrays.power_w[opt_job, opt_k]
     x_kg = power[:, None] * kg_per_w[None, :]
     progress = arrays.progress[opt_job, opt_k]
-    # Objective / slot_s: sum_j w_j (T - sum_t a_jt c_t) + w_j tail_j (1 - c_T) + price (kg +
-    # tail kg), a_jt = PlanArrays.area_weights (all 1 without a hard budget).
+    # Objective / slot_s: sum_j w_j (T - sum_t c_t) + w_j tail_j (1 - c_T) + price (kg + tail kg).
+    later = (num_slots - slots).astype(float)  # slot t's progress counts at ends t..T-1
     tail_value = w * arrays.tail_slots + (problem.carbon_price_s_per_kg / slot_s) * arrays.tail_kg
-    # Slot t's progress counts at the (weighted, PlanArrays.area_weights) slot ends t..T-1.
-    later_w = (w[:, None] * arrays.later_weight)[opt_job]
-    gain = (later_w + tail_value[opt_job][:, None]) * progress[:, None]
+    gain = (w[opt_job][:, None] * later[None, :] + tail_value[opt_job][:, None]) * progress[:, None]
     cost = np.zeros(n_vars)
     cost[:n_x] = (-gain + (problem.carbon_price_s_per_kg / slot_s) * x_kg).ravel()
     miss_cost = problem.deadline_miss_cost_s() / slot_s

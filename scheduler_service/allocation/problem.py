@@ -18,11 +18,6 @@ SECONDS_PER_HOUR = 3600.0
 WATTS_PER_KILOWATT = 1000.0
 # Cap on the budget-aware tail (slots per unit of leftover work fraction): see budget_tail_slots.
 BUDGET_TAIL_MAX_SLOTS = 1e5
-# Under a hard budget, the weight of a job's remaining fraction at the end of a slot by which no
-# plan can have finished it (PlanArrays.area_weights): it is unfinished there whatever runs when,
-# so only how much work is done counts; the small weight left only breaks ties between equally
-# clean slots towards earlier work.
-UNFINISHED_SLOT_WEIGHT = 0.01
 
 
 class BudgetMode(StrEnum):
@@ -355,142 +350,6 @@ class PlanArrays:
                 self.tail_slots,
                 budget_tail_slots(self.tail_kg, self.priority, rate_kg_per_s, problem.slot_s),
             )
-        # [job, slot] weight of the job's remaining fraction at the slot's end in the completion
-        # term: 1, except under a hard budget at the ends of the first slots by which no plan
-        # can have finished the job (certainly_unfinished_slots), where it counts whole anyway.
-        # Fractional completion rewarded early partial work there, which for a job finishing
-        # later only bought its work at dirtier hours and larger, less efficient counts
-        # (docs/allocation.md, "Why the 2x JCT target ..."). The term stays between fractional
-        # and true completion time.
-        self.area_weights = np.ones((self.num_jobs, problem.num_slots))
-        self.unfinished_slots = np.zeros(self.num_jobs, dtype=np.int64)
-        if problem.budget_mode is BudgetMode.HARD and problem.budget_periods:
-            self.unfinished_slots = certainly_unfinished_slots(problem, self)
-            early = np.arange(problem.num_slots)[None, :] < self.unfinished_slots[:, None]
-            self.area_weights[early] = UNFINISHED_SLOT_WEIGHT
-        # Weighted slot ends at or after each slot (slot t's work counts at ends t..T-1).
-        self.later_weight = np.cumsum(self.area_weights[:, ::-1], axis=1)[:, ::-1]
-
-
-def certainly_unfinished_slots(problem: AllocationProblem, arrays: PlanArrays) -> np.ndarray:
-    """Per job: how many leading slots no plan can finish it by (horizon_work_bound; T = none).
-
-    Binary search per job on the prefix length, all jobs at once (log2(T) + 1 bounds, sharing
-    one sort of the knapsack steps).
-    """
-    bound = _WorkBound(problem, arrays)
-    # Smallest prefix (1..T slots) whose work bound covers the remaining work, T + 1 if none.
-    need = arrays.remaining * (1 - 1e-9)
-    covers_all = bound.work(np.full(arrays.num_jobs, problem.num_slots)) >= need
-    lo = np.where(covers_all, 1, problem.num_slots + 1)
-    hi = np.where(covers_all, problem.num_slots, problem.num_slots + 1)
-    while np.any(lo < hi):
-        mid = (lo + hi) // 2
-        covers = bound.work(mid) >= need
-        open_ = lo < hi
-        hi = np.where(open_ & covers, mid, hi)
-        lo = np.where(open_ & ~covers, mid + 1, lo)
-    return np.asarray(np.minimum(lo - 1, problem.num_slots), dtype=np.int64)
-
-
-def horizon_work_bound(
-    problem: AllocationProblem, arrays: PlanArrays, upto: np.ndarray | None = None
-) -> np.ndarray:
-    """Per job: most samples it can do alone in the horizon (or its first `upto` slots) under
-    the hard budgets.
-
-    A relaxation (so an upper bound): each slot charged only to the period holding most of it,
-    the job's counts replaced by their upper concave hull in (W, samples/s) and run fractionally,
-    capacity only through the counts that fit the largest slot; then per period the steps with
-    the most samples per kg first until its budget is spent (a fractional knapsack).
-    """
-    if upto is None:
-        upto = np.full(arrays.num_jobs, problem.num_slots)
-    return _WorkBound(problem, arrays).work(upto)
-
-
-class _WorkBound:
-    """horizon_work_bound's knapsack steps, sorted once per period, for any prefix length."""
-
-    def __init__(self, problem: AllocationProblem, arrays: PlanArrays) -> None:
-        num_jobs, num_slots = arrays.num_jobs, problem.num_slots
-        self.num_slots = num_slots
-        self.max_rate = arrays.max_throughput * problem.slot_s
-        periods = problem.period_slots()
-        self.periods: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []
-        self.free_samples = np.zeros((num_jobs, num_slots))
-        if not periods:
-            return
-        kg_per_w = problem.slot_emissions_kg_per_w()
-        shares = np.array([share for _, share in periods])
-        owner = shares.argmax(axis=0)
-        # kg per W of each slot charged to its owning period.
-        slot_kg_per_w = kg_per_w * shares[owner, np.arange(num_slots)]
-        # Hull points per job, padded with the last point (zero steps).
-        hull_w = np.zeros((num_jobs, arrays.num_options + 1))
-        hull_rate = np.zeros_like(hull_w)
-        for i in range(num_jobs):
-            ok = arrays.valid[i]
-            watts, rate = _upper_hull(arrays.power_w[i, ok], arrays.throughput[i, ok])
-            hull_w[i, : len(watts)], hull_w[i, len(watts) :] = watts, watts[-1]
-            hull_rate[i, : len(rate)], hull_rate[i, len(rate) :] = rate, rate[-1]
-        # Steps [job, slot, hull step]: kg and samples each.
-        step_kg = np.diff(hull_w, axis=1)[:, None, :] * slot_kg_per_w[None, :, None]
-        step_samples = np.broadcast_to(
-            np.diff(hull_rate, axis=1)[:, None, :] * problem.slot_s, step_kg.shape
-        )
-        free = step_kg <= 0  # slots no period charges (or zero intensity)
-        self.free_samples = np.where(free, step_samples, 0.0).sum(axis=2)
-        step_slot = np.broadcast_to(np.arange(num_slots)[None, :, None], step_kg.shape)
-        flat = (num_jobs, -1)
-        for n, (period, _) in enumerate(periods):
-            mine = (owner == n)[None, :, None] & ~free
-            kg = np.where(mine, step_kg, 0.0).reshape(flat)
-            samples = np.where(mine, step_samples, 0.0).reshape(flat)
-            ratio = np.where(kg > 0, samples / np.where(kg > 0, kg, 1.0), -np.inf)
-            order = np.argsort(-ratio, axis=1, kind="stable")
-            self.periods.append(
-                (
-                    max(period.budget_left_kg, 0.0),
-                    np.take_along_axis(kg, order, axis=1),
-                    np.take_along_axis(samples, order, axis=1),
-                    np.take_along_axis(step_slot.reshape(flat), order, axis=1),
-                )
-            )
-
-    def work(self, upto: np.ndarray) -> np.ndarray:
-        """Per job: the bound on its samples in its first `upto` slots."""
-        upto = np.asarray(upto)
-        if not self.periods:
-            return np.asarray(self.max_rate * np.minimum(upto, self.num_slots), dtype=float)
-        inside = np.arange(self.num_slots)[None, :] < upto[:, None]
-        out = np.where(inside, self.free_samples, 0.0).sum(axis=1)
-        for budget_kg, kg_all, samples_all, slot in self.periods:
-            keep = slot < upto[:, None]
-            kg = np.where(keep, kg_all, 0.0)
-            spent_before = np.cumsum(kg, axis=1) - kg
-            part = np.clip((budget_kg - spent_before) / np.where(kg > 0, kg, 1.0), 0.0, 1.0)
-            out += np.where(kg > 0, samples_all * part, 0.0).sum(axis=1)
-        return np.asarray(out, dtype=float)
-
-
-def _upper_hull(watts: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Upper concave hull of (0, 0) and the options' (W, samples/s) points, by W."""
-    order = np.argsort(watts, kind="stable")
-    hull = [(0.0, 0.0)]
-    for w, r in zip(watts[order].tolist(), rate[order].tolist(), strict=True):
-        if r <= hull[-1][1]:
-            continue  # more power for no more speed is never on the hull
-        while len(hull) >= 2:
-            (w1, r1), (w2, r2) = hull[-2], hull[-1]
-            # Drop the middle point when it lies on or below the chord to the new one.
-            if (r2 - r1) * (w - w1) <= (r - r1) * (w2 - w1):
-                hull.pop()
-            else:
-                break
-        hull.append((w, r))
-    points = np.array(hull)
-    return points[:, 0], points[:, 1]
 
 
 def budget_tail_slots(
@@ -589,11 +448,6 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         / rate[fin_rows, t_fin[fin_rows]]
     )
     unfinished_area = np.where(before, 1.0 - done_after / remaining[:, None], 0.0).sum(axis=1)
-    # The completion term: slot ends where no plan can have finished the job count whole
-    # (PlanArrays.area_weights; all 1 without a hard budget).
-    weighted_area = np.where(
-        before, 1.0 - arrays.area_weights * done_after / remaining[:, None], 0.0
-    ).sum(axis=1)
     done = np.where(finished, remaining, done_after[:, -1])
     # Changes: against the count before (current_gpus for slot 0); a finished job handing its
     # GPUs back is not a hot switch.
@@ -608,7 +462,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     emissions = power.sum(axis=0) * problem.slot_emissions_kg_per_w()
     leftover = np.maximum(0.0, 1.0 - done / remaining)
     tail = leftover * arrays.tail_slots
-    weighted_s = float((arrays.priority * slot_s * (weighted_area + tail)).sum())
+    weighted_s = float((arrays.priority * slot_s * (unfinished_area + tail)).sum())
     leftover_kg = float((leftover * arrays.tail_kg).sum())
     completion: dict[str, float | None] = {}
     met: dict[str, bool] = {}

@@ -20,7 +20,6 @@ from scheduler_service.allocation.problem import (
     PlanArrays,
     evaluate_gpus,
     leftover_kg_per_fraction,
-    plan_arrays,
 )
 from scheduler_service.allocation.solver import solve, solve_lp
 
@@ -254,10 +253,7 @@ def reference_evaluation(
     completion: dict[str, float | None] = {}
     changes = misses = 0
     allowed = True
-    # Per slot end, the weight of the remaining fraction (below 1 only under a hard budget, where
-    # no plan can have finished the job yet; checked in test_certainly_unfinished_holds_for_plans).
-    area_weights = plan_arrays(problem).area_weights
-    for i, job in enumerate(problem.jobs):
+    for job in problem.jobs:
         done, finish, previous, area = 0.0, None, job.current_gpus, 0.0
         for t, g in enumerate(gpus[job.job_id]):
             if g != previous and not (g == 0 and finish is not None):
@@ -275,9 +271,7 @@ def reference_evaluation(
                         done += rate * problem.slot_s
             elif g != 0:
                 allowed = False
-            if finish is None or finish > t * problem.slot_s:
-                # Unfinished at the start of slot t: its end counts (finished ones count 0).
-                area += 1.0 - area_weights[i, t] * done / job.remaining_samples
+            area += 1.0 - done / job.remaining_samples
         completion[job.job_id] = finish
         left = 1.0 - done / job.remaining_samples
         max_rate = problem.usable_max_rate(job)
@@ -319,28 +313,3 @@ def test_vectorised_evaluation_matches_the_slot_loop(
         got = ev.completion_s[job_id]
         assert (got is None) == (finish is None)
         assert got is None or got == pytest.approx(finish, rel=1e-9)
-
-
-@SETTINGS
-@given(problem=problems(max_jobs=3, max_slots=4), data=st.data())
-def test_certainly_unfinished_holds_for_plans(
-    problem: AllocationProblem, data: st.DataObject
-) -> None:
-    # No plan within the hard budgets finishes a job by the end of a slot its area weight marks
-    # as certainly unfinished (certainly_unfinished_slots is a bound, not a guess).
-    gpus = {
-        job.job_id: tuple(
-            data.draw(st.sampled_from((0, *job.allowed_gpus))) for _ in range(problem.num_slots)
-        )
-        for job in problem.jobs
-    }
-    ev = evaluate_gpus(problem, gpus)
-    unfinished = plan_arrays(problem).unfinished_slots
-    if problem.budget_mode is not BudgetMode.HARD:
-        assert not unfinished.any()
-    if not (ev.budget_ok and ev.capacity_ok):
-        return
-    for i, job in enumerate(problem.jobs):
-        finish = ev.completion_s[job.job_id]
-        if finish is not None:
-            assert finish > unfinished[i] * problem.slot_s - 1e-6
