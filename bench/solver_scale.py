@@ -64,9 +64,17 @@ from scheduler_service.allocation.solver import solve, solve_lp, solve_mip, trim
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SLOT_S = 1800.0
 SLOTS = 48
+# Remaining work of a job, in hours at one GPU (uniform between the two).
+WORK_H = (0.5, 12.0)
 
 
-def make_jobs(num_jobs: int, max_gpus: int, data: Path, rng: np.random.Generator) -> list[JobSpec]:
+def make_jobs(
+    num_jobs: int,
+    max_gpus: int,
+    data: Path,
+    rng: np.random.Generator,
+    work_h: tuple[float, float] = WORK_H,
+) -> list[JobSpec]:
     """Random jobs with measured throughput tables (or a synthetic curve without the data)."""
     profiles_dir = data / "elasticflow" / "throughputs_A100"
     tables: list[dict[int, float]] = []
@@ -89,7 +97,7 @@ def make_jobs(num_jobs: int, max_gpus: int, data: Path, rng: np.random.Generator
                 rates.append(table[g])
         single = table.get(1, rates[0] / counts[0])
         power = [job_power_w(g, r, single) for g, r in zip(counts, rates, strict=True)]
-        remaining = single * 3600.0 * float(rng.uniform(0.5, 12.0))
+        remaining = single * 3600.0 * float(rng.uniform(*work_h))
         deadline = None
         if rng.random() < 0.3:
             deadline = remaining / max(rates) * float(rng.uniform(0.7, 2.0))
@@ -198,10 +206,11 @@ def run_case(
     repeat: int,
     warm: bool,
     integer: bool = False,
+    work_h: tuple[float, float] = WORK_H,
 ) -> dict[str, object]:
     """Solve one case cold, then (optionally) once more one slot later, warm-started."""
     rng = np.random.default_rng(seed)
-    jobs = make_jobs(num_jobs, min(gpus, 64), data, rng)
+    jobs = make_jobs(num_jobs, min(gpus, 64), data, rng, work_h)
     problem = AllocationProblem(
         start_at=datetime(2021, 1, 1, tzinfo=UTC),
         slot_s=SLOT_S,
@@ -282,7 +291,15 @@ def main() -> None:
         action="store_true",
         help="also a lower bound on the best whole-slot plan (slow; scheduler_service/allocation/integer_bound.py)",
     )
+    parser.add_argument(
+        "--work-hours",
+        default=f"{WORK_H[0]:g}:{WORK_H[1]:g}",
+        help="LO:HI hours of work per job at one GPU (sensitivity: longer jobs, less slot rounding)",
+    )
     args = parser.parse_args()
+    lo_h, hi_h = (float(x) for x in args.work_hours.split(":"))
+    if not 0 < lo_h <= hi_h:
+        parser.error(f"--work-hours must be LO:HI with 0 < LO <= HI, got {args.work_hours!r}")
     if args.mip_check:
         checks = []
         for spec in args.mip_check.split(","):
@@ -304,6 +321,7 @@ def main() -> None:
                 args.repeat,
                 not args.no_warm,
                 args.integer_bound,
+                (lo_h, hi_h),
             )
         )
         print(json.dumps(cases[-1]), file=sys.stderr)
@@ -312,6 +330,7 @@ def main() -> None:
         json.dumps(
             {
                 "time_limit_s": args.time_limit_s,
+                "work_hours": [lo_h, hi_h],
                 "load_avg_1_5_15": [round(x, 2) for x in load],
                 "cases": cases,
             },

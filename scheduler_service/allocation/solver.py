@@ -40,7 +40,7 @@ from scheduler_service.allocation.model import (
     build_compact_lp,
     build_model,
 )
-from scheduler_service.allocation.polish import MAX_BUYS_PER_PASS, polish
+from scheduler_service.allocation.polish import polish, polish_pass_s
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
@@ -98,12 +98,10 @@ REPAIR_SECONDS_PER_CELL = 3e-8
 # One local-search pass over the best plan (polish.py): up to 3 candidate rows per job and slot
 # (one buy, two sells), each re-evaluated over the horizon (jobs x slots x slots x 3 cells), then
 # a bounded Python pairing (at most polish.MAX_BUYS_PER_PASS buys, each a short chain of sells).
-# Measured 0.42 s per pass at 1,000 jobs x 48 slots x 256 GPUs (every job still running: the
-# most candidates; load 7.8 on the 2-core machine) and 0.15-0.25 s at 1,000 x 48 x 2,048
-# (load 5-6), 13-60 ms at 20-100 jobs x 48 slots (load 7). Passes stop once one changes nothing.
-POLISH_SECONDS_PER_CELL = 5e-8
-POLISH_SECONDS_PER_BUY = 1e-4
-POLISH_SECONDS_PER_SLOT = 1e-3
+# A pass's cost grows with the candidates (job-slots up to each job's finish in the plan it
+# starts from), so `plan_steps` reserves a budget and `polish` sizes each pass from the plan
+# before running it (polish.polish_pass_s; deterministic: the plan is). Passes stop once one
+# changes nothing.
 POLISH_MAX_PASSES = 4
 # Share of the time limit one step may take at most, so that no step starves the ones decided
 # after it; all steps together also stay within the limit (see SolveSteps).
@@ -575,17 +573,6 @@ def greedy_round_s(arrays: PlanArrays, num_slots: int) -> float:
     return cells * GREEDY_SECONDS_PER_CELL + num_slots * GREEDY_SECONDS_PER_SLOT
 
 
-def polish_pass_s(problem: AllocationProblem) -> float:
-    """Size estimate of one local-search pass (polish.py) in seconds."""
-    num_slots = problem.num_slots
-    rows = len(problem.jobs) * num_slots
-    return (
-        3 * rows * num_slots * POLISH_SECONDS_PER_CELL
-        + min(rows, MAX_BUYS_PER_PASS) * POLISH_SECONDS_PER_BUY
-        + num_slots * POLISH_SECONDS_PER_SLOT
-    )
-
-
 def near_deadline_slots(problem: AllocationProblem) -> int | None:
     """Slots the near-deadline MIP covers: up to the last deadline inside the horizon (None: no
     such deadline, or it would cover the whole horizon)."""
@@ -621,7 +608,8 @@ class SolveSteps:
     exact_mip: bool
     baselines: bool
     repair_trials: int
-    polish_passes: int = 0
+    polish_passes: int = 0  # at most; each runs only while its plan-sized estimate fits
+    polish_budget_s: float = 0.0
     estimates_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -690,12 +678,16 @@ def plan_steps(
             spent["repair"] = trials * trial_s
     # Last, so that it takes nothing from the steps before (the repair keeps its moves); where
     # the repair runs it usually leaves too little for a pass (at <= 1 s).
+    # The budget is reserved when the smallest pass (one candidate per job) fits; how many
+    # passes it pays for depends on the plan polish starts from.
+    left_s = max(0.0, time_limit_s - sum(spent.values()))
+    polish_budget_s = min(POLISH_SHARE * time_limit_s, left_s)
     passes = 0
-    pass_s = polish_pass_s(problem)
-    while passes < POLISH_MAX_PASSES and take(
-        f"polish_{passes + 1}", pass_s, POLISH_SHARE, passes * pass_s
-    ):
-        passes += 1
+    if polish_pass_s(len(problem.jobs), num_slots) <= polish_budget_s:
+        spent["polish"] = polish_budget_s
+        passes = POLISH_MAX_PASSES
+    else:
+        polish_budget_s = 0.0
     return SolveSteps(
         greedy_rounds=rounds,
         chase=chase,
@@ -705,6 +697,7 @@ def plan_steps(
         baselines=baselines,
         repair_trials=trials,
         polish_passes=passes,
+        polish_budget_s=polish_budget_s,
         estimates_s=spent,
     )
 
@@ -839,7 +832,11 @@ def solve_with_baselines(
         start = np.array(
             [[j.index_of(g) for g in best[0][j.job_id]] for j in problem.jobs], dtype=np.int64
         )
-        polished = _to_gpus(problem, arrays, polish(problem, arrays, start, steps.polish_passes))
+        polished = _to_gpus(
+            problem,
+            arrays,
+            polish(problem, arrays, start, steps.polish_passes, budget_s=steps.polish_budget_s),
+        )
         ev = evaluate_gpus(problem, polished)
         if _ok(ev) and ev.objective < best[2].objective:
             polished_by = best[2].objective - ev.objective

@@ -35,10 +35,17 @@ def test_step_estimates_never_add_up_to_more_than_the_limit(
     assert steps.total_s <= time_limit_s + 1e-12 or set(steps.estimates_s) == {"greedy"}
     assert steps.estimates_s.keys() >= {"greedy"}
     assert steps.greedy_rounds == 1 + sum(1 for k in steps.estimates_s if k.startswith("greedy_"))
-    assert steps.polish_passes == sum(1 for k in steps.estimates_s if k.startswith("polish_"))
+    # The local search's budget is reserved whole, and only when a pass can fit in it.
+    assert (steps.polish_passes > 0) == ("polish" in steps.estimates_s)
+    assert steps.estimates_s.get("polish", 0.0) == steps.polish_budget_s
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch, calls: Counter[str], problem: AllocationProblem) -> None:
+def _spy(
+    monkeypatch: pytest.MonkeyPatch,
+    calls: Counter[str],
+    problem: AllocationProblem,
+    budgets_s: list[float],
+) -> None:
     """Count the steps `solve` really runs, by the step names of `plan_steps`."""
     real_greedy = solver_module.greedy_plan
     real_lp = solver_module.solve_lp
@@ -71,6 +78,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, calls: Counter[str], problem: Allocati
     def polish(*args: Any, **kwargs: Any) -> Any:
         calls["polish"] += 1
         calls["polish_passes"] = args[3] if len(args) > 3 else kwargs["passes"]
+        budgets_s.append(kwargs["budget_s"])
         return real_polish(*args, **kwargs)
 
     monkeypatch.setattr(solver_module, "greedy_plan", greedy)
@@ -89,8 +97,9 @@ def _check_runs_the_planned_steps(
     chase = solver_module.needs_chase(problem, arrays, protect, reserved)
     steps = plan_steps(problem, arrays, time_limit_s, chase=chase)
     calls: Counter[str] = Counter()
+    budgets_s: list[float] = []
     with monkeypatch.context() as patch:
-        _spy(patch, calls, problem)
+        _spy(patch, calls, problem, budgets_s)
         solve(problem, time_limit_s=time_limit_s, seed=0)
     assert calls["greedy_rounds"] == steps.greedy_rounds
     assert calls["chase"] == int(steps.chase)
@@ -109,10 +118,11 @@ def _check_runs_the_planned_steps(
     ran |= {name for name in ("lp", "near_mip", "exact_mip", "baselines", "chase") if calls[name]}
     ran |= {"repair"} if calls["repair"] else set()
     # The local search runs at most once (not when no candidate keeps the hard constraints),
-    # with exactly the planned passes.
+    # with the planned passes and budget (its passes are sized inside that budget).
     assert calls["polish"] <= int(steps.polish_passes > 0)
     assert calls["polish_passes"] == (steps.polish_passes if calls["polish"] else 0)
-    ran |= {f"polish_{n}" for n in range(1, calls["polish_passes"] + 1)}
+    assert budgets_s == ([steps.polish_budget_s] if calls["polish"] else [])
+    ran |= {"polish"} if calls["polish"] else set()
     ran_s = sum(steps.estimates_s[name] for name in ran)
     assert ran_s <= time_limit_s + 1e-12 or ran == {"greedy"}
 
