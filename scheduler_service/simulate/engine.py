@@ -1,8 +1,11 @@
-"""Trace replay: every slot build the tick's AllocationProblem, call a policy, apply slot one.
+"""Trace replay: at every event build the AllocationProblem, call a policy, apply its slot one.
 
-Semantics (ElasticFlow-compatible with an unlimited budget): jobs arrive at their submission
-time and are considered at the next slot boundary; a job with a deadline meets it only if it was
-admitted and finished by it; throughput comes from measured scaling profiles. Trace time 0 is the
+Semantics (ElasticFlow's deadline semantics with an unlimited budget): a step ends at the slot's
+end, the next submission or a job's completion, whichever is first, and the policy re-plans
+there, so a job is admitted at its submission time; a job with a deadline meets it only if it was
+admitted and finished by it; throughput comes from measured scaling profiles. Where this differs
+from ElasticFlow's own simulator see docs/allocation.md, "Comparability with ElasticFlow's
+simulator". Trace time 0 is the
 first timestamp of the carbon series, which wraps around when the trace is longer. Energy is
 charged exactly against the real (trace) intensity step series; the solver sees a forecast that
 may carry error, and job models that may carry error.
