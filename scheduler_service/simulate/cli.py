@@ -139,6 +139,13 @@ def simulate(
     model_error: Annotated[
         float, typer.Option("--model-error", help="Relative std of throughput/power model error.")
     ] = 0.0,
+    elasticflow_events: Annotated[
+        bool,
+        typer.Option(
+            "--elasticflow-events",
+            help="ElasticFlow's event handling: one-slot steps, arrivals admitted per batch.",
+        ),
+    ] = False,
     limit: Annotated[
         int | None, typer.Option("--limit", help="Replay only the first N jobs of the trace.")
     ] = None,
@@ -184,6 +191,7 @@ def simulate(
             best_effort=best_effort,
             forecast_error=forecast_error,
             model_error=model_error,
+            elasticflow_events=elasticflow_events,
             time_limit_s=time_limit_s,
             seed=seed,
         )

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from energy_model.carbon.series import load_intensity_csv
 from energy_model.profiles import load_scaling_profiles
+from scheduler_service.simulate.engine import SimulationConfig, simulate_trace
 from scheduler_service.simulate.trace import (
     TraceJob,
     deadlines_beyond_horizon,
@@ -112,3 +114,43 @@ def test_deadlines_past_the_horizon_are_counted_and_the_cli_warns(tmp_path: Path
     covered = CliRunner().invoke(_app(), [*base, "--horizon-slots", "8"])
     assert covered.exit_code == 0, covered.output
     assert "warning" not in covered.output
+
+
+def test_elasticflow_events_admit_an_arrival_batch_together_and_after_a_slot(
+    tmp_path: Path,
+) -> None:
+    """With ElasticFlow's events one infeasible arrival declines its batch; arrivals wait a slot."""
+    profiles = load_scaling_profiles(write_profiles(tmp_path))  # toy: 10 it/s on 1 GPU, 30 on 4
+    series = load_intensity_csv(write_series(tmp_path, [100.0] * 24))
+    jobs = load_trace(
+        write_trace(
+            tmp_path,
+            [
+                "ok,0,3600,toy,2000,32,1,360",  # 360 s on 1 GPU: feasible alone
+                "hopeless,0,36000,toy,100,32,1,3600",  # >= 1,200 s, deadline in 100 s
+                "later,100,3000,toy,1400,32,1,300",  # arrives 100 s in, 300 s on 1 GPU
+                "busy,0,360000,toy,,32,1,36000",  # no deadline: keeps the cluster busy
+            ],
+        )
+    )
+    base = SimulationConfig("carbon-agnostic", 1, 4, slot_s=900.0, horizon_slots=8, switch_s=0.0)
+    ours = {o.job_id: o for o in simulate_trace(jobs, series, profiles, base).outcomes}
+    assert ours["ok"].deadline_met and not ours["hopeless"].admitted
+    # Admitted on arrival: done by its deadline, well before the 900 s slot ends.
+    assert ours["later"].deadline_met and ours["later"].finish_s is not None
+    assert ours["later"].finish_s < 900.0
+    ef = SimulationConfig(
+        "carbon-agnostic",
+        1,
+        4,
+        slot_s=900.0,
+        horizon_slots=8,
+        switch_s=0.0,
+        elasticflow_events=True,
+    )
+    theirs = {o.job_id: o for o in simulate_trace(jobs, series, profiles, ef).outcomes}
+    assert not theirs["ok"].admitted and not theirs["hopeless"].admitted
+    assert "arrival batch" in theirs["ok"].reject_reason
+    # Handled at the slot's end (900 s), then 300 s on 1 GPU: it still makes 1,400 s.
+    assert theirs["later"].deadline_met and theirs["later"].finish_s is not None
+    assert theirs["later"].finish_s >= 900.0
