@@ -312,8 +312,9 @@ def simulate_trace(
             # arrive (e.g. the budget is spent for good): stop; the jobs left are reported
             # unfinished.
             break
-        # Event-driven like ElasticFlow's simulator: apply slot one until the slot ends, a job
-        # arrives or a job finishes, whichever comes first, then re-plan.
+        # Event-driven: apply slot one until the slot ends, a job arrives or a job finishes,
+        # whichever comes first, then re-plan. ElasticFlow's simulator merges the events of one
+        # slot instead: with `elasticflow_events` every step is a whole slot.
         moves: dict[str, tuple[int, float, bool]] = {}
         runs: list[tuple[float, float]] = []  # (real power_w, s until it finishes) per running job
         step_s = slot_s
