@@ -21,7 +21,7 @@ from scheduler_service.simulate.engine import (
     SimulationReport,
     simulate_trace,
 )
-from scheduler_service.simulate.trace import TraceError, load_trace
+from scheduler_service.simulate.trace import TraceError, deadlines_beyond_horizon, load_trace
 
 DEFAULT_PROFILES = (
     Path(__file__).resolve().parents[2].parent
@@ -139,6 +139,13 @@ def simulate(
     model_error: Annotated[
         float, typer.Option("--model-error", help="Relative std of throughput/power model error.")
     ] = 0.0,
+    elasticflow_events: Annotated[
+        bool,
+        typer.Option(
+            "--elasticflow-events",
+            help="ElasticFlow's event handling: one-slot steps, arrivals admitted per batch.",
+        ),
+    ] = False,
     limit: Annotated[
         int | None, typer.Option("--limit", help="Replay only the first N jobs of the trace.")
     ] = None,
@@ -184,12 +191,22 @@ def simulate(
             best_effort=best_effort,
             forecast_error=forecast_error,
             model_error=model_error,
+            elasticflow_events=elasticflow_events,
             time_limit_s=time_limit_s,
             seed=seed,
         )
     except (TraceError, SimulationError, FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    beyond = deadlines_beyond_horizon(trace, slot_s * horizon_slots)
+    if beyond:
+        typer.echo(
+            f"warning: {beyond} of {len(trace)} jobs have a deadline further off than the "
+            f"{slot_s * horizon_slots / 3600:g} h planning horizon; admission assumes they run "
+            "at full speed after it, so deadline figures are not directly comparable with "
+            "ElasticFlow's simulator (raise --horizon-slots to cover them)",
+            err=True,
+        )
     console = Console(stderr=True)
     with Progress(
         TextColumn("[bold]simulating"),

@@ -1,8 +1,11 @@
-"""Trace replay: every slot build the tick's AllocationProblem, call a policy, apply slot one.
+"""Trace replay: at every event build the AllocationProblem, call a policy, apply its slot one.
 
-Semantics (ElasticFlow-compatible with an unlimited budget): jobs arrive at their submission
-time and are considered at the next slot boundary; a job with a deadline meets it only if it was
-admitted and finished by it; throughput comes from measured scaling profiles. Trace time 0 is the
+Semantics (ElasticFlow's deadline semantics with an unlimited budget): a step ends at the slot's
+end, the next submission or a job's completion, whichever is first, and the policy re-plans
+there, so a job is admitted at its submission time; a job with a deadline meets it only if it was
+admitted and finished by it; throughput comes from measured scaling profiles. Where this differs
+from ElasticFlow's own simulator see docs/allocation.md, "Comparability with ElasticFlow's
+simulator". Trace time 0 is the
 first timestamp of the carbon series, which wraps around when the trace is longer. Energy is
 charged exactly against the real (trace) intensity step series; the solver sees a forecast that
 may carry error, and job models that may carry error.
@@ -66,6 +69,11 @@ class SimulationConfig:
     time_limit_s: float = 2.0
     seed: int = 0
     max_ticks: int = 200_000
+    # ElasticFlow's event handling (its ef-accessctrl simulator): every step lasts one slot, so
+    # arrivals and completions inside it are handled together at its end, and the deadline jobs
+    # arriving together are admitted or declined together (any of them or an admitted job late
+    # declines them all).
+    elasticflow_events: bool = False
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -253,12 +261,16 @@ def simulate_trace(
             config, periods, spent_kg, period_share_kg, now + 2 * config.horizon_slots * slot_s
         )
         # Arrivals up to now join at this boundary.
+        batch: list[str] = []
         while next_arrival < len(pending) and pending[next_arrival].submission_s <= now + 1e-9:
             job = pending[next_arrival]
             next_arrival += 1
             state = _new_state(job, profiles, capacity, config, rng)
             states[job.job_id] = state
             if job.deadline_s is not None and config.policy in ADMISSION_CONTROL:
+                if config.elasticflow_events:
+                    batch.append(job.job_id)
+                    continue
                 decision = admit(
                     _problem(config, clock, states, active, now, periods, spent_kg),
                     replace(_spec(state, now, config.margin_s), best_effort=config.best_effort),
@@ -272,6 +284,8 @@ def simulate_trace(
                     state.reject_reason = decision.reason
                     continue
             active.append(job.job_id)
+        if batch:
+            _admit_batch(config, policy, clock, states, active, now, periods, spent_kg, batch)
         if not active:
             if next_arrival >= len(pending):
                 break
@@ -298,12 +312,13 @@ def simulate_trace(
             # arrive (e.g. the budget is spent for good): stop; the jobs left are reported
             # unfinished.
             break
-        # Event-driven like ElasticFlow's simulator: apply slot one until the slot ends, a job
-        # arrives or a job finishes, whichever comes first, then re-plan.
+        # Event-driven: apply slot one until the slot ends, a job arrives or a job finishes,
+        # whichever comes first, then re-plan. ElasticFlow's simulator merges the events of one
+        # slot instead: with `elasticflow_events` every step is a whole slot.
         moves: dict[str, tuple[int, float, bool]] = {}
         runs: list[tuple[float, float]] = []  # (real power_w, s until it finishes) per running job
         step_s = slot_s
-        if next_arrival < len(pending):
+        if next_arrival < len(pending) and not config.elasticflow_events:
             step_s = min(step_s, max(pending[next_arrival].submission_s - now, 1.0))
         for job_id in active:
             state = states[job_id]
@@ -316,7 +331,8 @@ def simulate_trace(
                 k = state.tables.allowed_gpus.index(gpus)
                 need_s = switch + state.remaining_samples / state.tables.throughput_samples_per_s[k]
                 runs.append((state.tables.power_w[k], need_s))
-                step_s = min(step_s, need_s)
+                if not config.elasticflow_events:
+                    step_s = min(step_s, need_s)
         step_s = max(step_s, 1e-3)
         # The service's budget watchdog: real power (not the plan's model of it) reaching the
         # period's budget stops the step there, and the next plan sees the budget spent.
@@ -494,6 +510,44 @@ def budget_cut_s(
         else:
             hi = mid
     return lo
+
+
+def _admit_batch(
+    config: SimulationConfig,
+    policy: Callable[..., AllocationPlan],
+    clock: CarbonClock,
+    states: dict[str, _JobState],
+    active: list[str],
+    now: float,
+    periods: list[tuple[float, float, float]],
+    spent_kg: list[float],
+    batch: list[str],
+) -> None:
+    """Admit the deadline jobs of `batch` together or not at all (ElasticFlow's admission)."""
+    problem = _problem(config, clock, states, active, now, periods, spent_kg)
+    limit_s = config.time_limit_s / 2
+    met_before: set[str] = set()
+    if problem.jobs:
+        base = policy(problem, previous=None, time_limit_s=limit_s, seed=config.seed)
+        met_before = {k for k, v in base.deadline_met.items() if v}
+    specs = [_spec(states[j], now, config.margin_s) for j in batch]
+    trial = replace(problem, jobs=(*problem.jobs, *specs))
+    plan = policy(trial, previous=None, time_limit_s=limit_s, seed=config.seed)
+    late = [j for j in batch if not plan.deadline_met.get(j, False)]
+    broken = [k for k in met_before if not plan.deadline_met.get(k, False)]
+    for job_id in batch:
+        state = states[job_id]
+        state.guaranteed = not late and not broken
+        state.admitted = state.guaranteed or config.best_effort
+        if not state.admitted:
+            why = (
+                f"no plan meets the deadlines of {', '.join(late[:3])}"
+                if late
+                else f"it would break the deadlines of admitted jobs {', '.join(broken[:3])}"
+            )
+            state.reject_reason = f"rejected with its arrival batch: {why}"
+            continue
+        active.append(job_id)
 
 
 def _new_state(

@@ -124,3 +124,15 @@ def job_tables(
         throughput.append(rate)
         power.append(job_power_w(g, rate, single, gpu))
     return JobTables(tuple(allowed), tuple(throughput), tuple(power))
+
+
+def deadlines_beyond_horizon(jobs: list[TraceJob], horizon_s: float) -> int:
+    """Jobs whose deadline lies more than `horizon_s` after their submission."""
+    # Admission plans only to the horizon and assumes full speed after it (optimistic where the
+    # cluster is busy then); ElasticFlow plans to the deadline, so these jobs are where the two
+    # simulators' admission can differ.
+    return sum(
+        1
+        for j in jobs
+        if j.deadline_s is not None and j.deadline_s - j.submission_s > horizon_s + 1e-9
+    )
