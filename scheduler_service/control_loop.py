@@ -144,6 +144,9 @@ class ControlLoop:
 
     async def _tick_forever(self) -> None:
         while not self._stopping:
+            # Cleared before the tick, not after: a wake that arrives while a tick runs (a job
+            # submitted, the budget watchdog) must start the next tick, not wait a whole slot.
+            self.wake_event.clear()
             try:
                 if await asyncio.to_thread(self.leader.try_acquire):
                     if self.leader_since is None:
@@ -159,7 +162,6 @@ class ControlLoop:
                 continue
             except Exception:
                 log.exception("control-loop tick failed; retrying next slot")
-            self.wake_event.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake_event.wait(), timeout=self.config.planner.slot_s)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -11,6 +12,7 @@ from sqlalchemy import func, select
 from scheduler_service.budget.periods import period_containing
 from scheduler_service.budget.watchdog import SpendExpectation, replan_reason
 from scheduler_service.control_loop import ControlLoop
+from scheduler_service.db import migrate
 from scheduler_service.db.models import Job, LedgerEntry, TelemetrySample
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.jobs.states import JobState
@@ -155,6 +157,37 @@ def test_the_loop_charges_new_telemetry_between_ticks_and_wakes_the_tick(
         # Every sample charged once (none twice), and the spend is what made it wake.
         assert charged is not None and charged >= 12
         assert spent is not None and spent > 0.001
+    finally:
+        asyncio.run(loop.carbon.aclose())
+        engine.dispose()
+
+
+def test_a_wake_during_a_tick_starts_the_next_tick_at_once(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'loop.db'}"
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    loop = ControlLoop(_config(limit_kg=1.0), make_session_factory(engine), engine)
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        ticks.append(asyncio.get_running_loop().time())
+        if len(ticks) == 1:
+            loop.wake()  # e.g. a job submitted while this tick plans
+            await asyncio.sleep(0.05)
+        else:
+            loop._stopping = True
+            loop.wake_event.set()  # as stop() does
+
+    async def run() -> None:
+        loop._loop = asyncio.get_running_loop()
+        loop.leader.try_acquire = lambda: True  # type: ignore[method-assign]
+        loop.tick = tick  # type: ignore[method-assign,assignment]
+        # The slot is 300 s: only the wake can bring the second tick within the timeout.
+        await asyncio.wait_for(loop._tick_forever(), timeout=20)
+
+    try:
+        asyncio.run(run())
+        assert len(ticks) == 2
     finally:
         asyncio.run(loop.carbon.aclose())
         engine.dispose()
