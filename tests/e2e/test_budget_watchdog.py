@@ -2,7 +2,7 @@
 before the next tick would have.
 
 A PostgreSQL-backed uvicorn scheduler and one agent with one simulated GPU; a carbon trace on a
-compressed clock (one trace hour = 10 s) that is clean for its first 8 replayed hours and then
+compressed clock (one trace hour = 10 s) that is clean for its first 10 replayed hours and then
 far dirtier than any real grid. The forecast is the model's (from a clean past), so the tick that
 starts the job plans a whole 600 s slot as clean. When the grid turns, the ledger passes the
 hard budget within seconds; the watchdog, checking every 2 s, sees the spend run far ahead of
@@ -22,7 +22,7 @@ from tests.e2e.test_end_to_end import Stack, describe, stack, wait_until  # noqa
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
 
 TRACE_HOUR_S = 10.0
-CLEAN_HOURS = 8  # replayed clean hours: 80 s of wall clock to get the job running
+CLEAN_HOURS = 10  # replayed clean hours: 100 s of wall clock to get the job running
 BUDGET_KG = 0.01  # one simulated GPU in the dirty hours spends it in about 20 s
 
 CONFIG = """\
