@@ -62,20 +62,17 @@ def replan_reason(
     status: PeriodStatus, expectation: SpendExpectation | None, now: datetime
 ) -> str | None:
     """Why the spend measured so far needs a new plan now (None when it does not)."""
-    same_period = expectation is not None and expectation.period_start_at == status.start_at
+    if expectation is not None and expectation.period_start_at != status.start_at:
+        expectation = None  # made in an earlier period: it says nothing about this one
     if status.spent_kg >= status.limit_kg:
-        if (
-            same_period
-            and expectation is not None
-            and expectation.spent_at_plan_kg >= status.limit_kg
-        ):
+        if expectation is not None and expectation.spent_at_plan_kg >= status.limit_kg:
             return None  # the plan in force already knew the budget was spent
         return (
             f"the budget of the period from {status.start_at.isoformat()} is spent "
             f"({status.spent_kg:.6g} of {status.limit_kg:.6g} kg)"
         )
-    if not same_period or expectation is None:
-        return None  # a new period began since the plan: the slot's tick re-plans it
+    if expectation is None:
+        return None  # no plan for this period yet: the slot's tick plans it
     expected_kg = expectation.planned_kg_between(expectation.plan_start_at, now)
     actual_kg = status.spent_kg - expectation.spent_at_plan_kg
     if expected_kg <= 0 or actual_kg <= expected_kg * (1 + SPEND_TOLERANCE):

@@ -12,12 +12,16 @@ the plan and wakes the planner, which pauses the job. Without it the job would r
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_end_to_end import Stack, describe, stack, wait_until  # noqa: F401 (fixture)
+from tests.e2e.test_end_to_end import (
+    Stack,
+    describe,
+    stack,  # noqa: F401 (fixture)
+    wait_until,
+    write_hourly_trace,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
 
@@ -50,19 +54,10 @@ agent_telemetry_interval_s = 1
 """
 
 
-def _write_trace(path: Path) -> None:
-    # 120 hours; the replay starts at hour 60, so hours 0-59 are the forecaster's (clean) past.
-    start = datetime(2026, 1, 1, tzinfo=UTC)
-    rows = ["time,intensity"]
-    for hour in range(120):
-        value = 5.0 if hour < 60 + CLEAN_HOURS else 5000.0
-        rows.append(f"{(start + timedelta(hours=hour)).isoformat()},{value}")
-    path.write_text("\n".join(rows) + "\n")
-
-
 def test_watchdog_pauses_a_job_when_the_grid_turns_dirty_mid_slot(stack: Stack) -> None:  # noqa: F811
     trace = stack.tmp / "watchdog-trace.csv"
-    _write_trace(trace)
+    # Hours 0-59 are the forecaster's (clean) past; the replay stays clean for CLEAN_HOURS more.
+    write_hourly_trace(trace, lambda hour: 5.0 if hour < 60 + CLEAN_HOURS else 5000.0)
     (stack.tmp / "greenflow.toml").write_text(
         CONFIG.format(budget_kg=BUDGET_KG, trace=trace, speedup=3600 / TRACE_HOUR_S)
     )

@@ -33,15 +33,19 @@ DIRTY_G_PER_KWH = 5000.0
 CLEAN_G_PER_KWH = 5.0
 
 
-def _write_trace(path: Path) -> None:
-    # 120 hours; the replay starts at hour 60 (the provider keeps the first half as history):
-    # hours 60-65 dirty (30 s), 66-115 clean (250 s), then dirty again.
+def write_hourly_trace(path: Path, intensity_at_hour: Callable[[int], float]) -> None:
+    """A 120-hour `time,intensity` trace; the replay starts at hour 60 (the provider keeps the
+    first half as the forecaster's history)."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
     rows = ["time,intensity"]
     for hour in range(120):
-        value = CLEAN_G_PER_KWH if 66 <= hour <= 115 else DIRTY_G_PER_KWH
-        rows.append(f"{(start + timedelta(hours=hour)).isoformat()},{value}")
+        rows.append(f"{(start + timedelta(hours=hour)).isoformat()},{intensity_at_hour(hour)}")
     path.write_text("\n".join(rows) + "\n")
+
+
+def _write_trace(path: Path) -> None:
+    # Hours 60-65 dirty (30 s), 66-115 clean (250 s), then dirty again.
+    write_hourly_trace(path, lambda hour: CLEAN_G_PER_KWH if 66 <= hour <= 115 else DIRTY_G_PER_KWH)
 
 
 CONFIG = """\
