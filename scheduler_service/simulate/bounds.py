@@ -36,8 +36,23 @@ JCT = C - r = int_r^C (1 - f) + int_r^C f.
 - p y^2 / 2 is convex: it is bounded from below by the maximum of its tangents at
   0, u/(M-1), ..., u (u = the most of the work the slot can hold), written as M segments of y
   with those slopes (the LP fills the cheap ones first). Exact where a slot is used fully.
-So sum_j JCT_j >= LP optimum + sum_j p_j / 2. For one job alone with no budget and its
-fastest count within capacity, this is exactly its run time at that count when it ends at a
+Per-job floors (`job_limits`, computed before the LP from the job alone). Each period's own
+window [B_i + slot_s, E_i - slot_s) caps the job's progress inside it at Q: the most work the
+job alone can do there emitting at most the period's share (an upper bound from the Lagrangian of
+that small LP, any price); between windows only its top rate 1/p limits it. Then
+- C >= E, the earliest time those caps let the work be done (each window's Q as early as
+  its top rate allows);
+- int_r^C f >= D(C): f(t) >= 1 - (the most progress possible in (t, C]), reached by packing
+  each window's Q at its end at the top rate. D is minimised over C in [E, U] on a grid: for C
+  in [C0, C1], D(C) >= D(C1) - (C1 - C0) (f <= 1), intervals split while that floor can beat
+  the best value, to within 10 s. D >= p / 2 always (a single run at the top rate).
+These hold for schedules that finish the job by U. A schedule finishing some job after U has a
+JCT sum above U - (last release), so the answer is min(LP bound, U - last release) and U is
+raised until the LP bound is below U - last release.
+The LP takes them through one variable per job: jct_j >= (its undone-work term above) + D_j and
+jct_j >= E_j - r_j, minimising sum_j jct_j.
+So sum_j JCT_j >= LP optimum (never below the undone-work LP plus sum_j p_j / 2). For one job
+alone with no budget and its fastest count within capacity, this is exactly its run time at that count when it ends at a
 slot edge (and within p u^2 / (8 (M-1)^2) of it otherwise). Tail work (past H) costs H - r,
 so the bound is valid for any H; H is extended until the tail is unused, which only tightens it.
 
@@ -47,6 +62,7 @@ variable is boxed), a bound by weak duality whatever the solver's tolerances wer
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Collection
@@ -71,6 +87,10 @@ from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 SEGMENTS = 4
 # Work fraction left past the horizon below which the horizon counts as long enough.
 TAIL_TOLERANCE = 1e-7
+# A job's done-work floor is searched over its finish time to within this many seconds.
+FINE_S = 10.0
+# Evaluations of one job's done-work floor before the search keeps its coarse intervals' floors.
+MAX_EVALUATIONS = 20_000
 
 
 class BoundError(RuntimeError):
@@ -119,14 +139,32 @@ def avg_jct_lower_bound(
     if horizon_s is None:
         horizon_s = _first_horizon(chosen, tables, clock, config, periods, start_s)
     began = time.perf_counter()
-    result = _solve(chosen, tables, clock, config, periods, start_s, horizon_s, segments)
+    last_release = max(j.submission_s for j in chosen)
+    # Any schedule finishing a job after until_s has a JCT sum above until_s - last_release, so
+    # the per-job floors need only hold for schedules finishing every job by until_s.
+    until_s = last_release + 2 * (horizon_s - start_s)
+    limits = _all_limits(chosen, tables, clock, config, periods, start_s, until_s)
+    result = _solve(
+        chosen, tables, clock, config, periods, start_s, horizon_s, segments, limits, until_s
+    )
     for _ in range(max_rounds - 1):
         if result.tail_work <= TAIL_TOLERANCE:
             break
         horizon_s = start_s + 2 * (horizon_s - start_s)
-        result = _solve(chosen, tables, clock, config, periods, start_s, horizon_s, segments)
+        result = _solve(
+            chosen, tables, clock, config, periods, start_s, horizon_s, segments, limits, until_s
+        )
+    for _ in range(max_rounds - 1):
+        if result.bound_sum_s <= until_s - last_release:
+            break
+        until_s = last_release + 2 * result.bound_sum_s
+        limits = _all_limits(chosen, tables, clock, config, periods, start_s, until_s)
+        result = _solve(
+            chosen, tables, clock, config, periods, start_s, horizon_s, segments, limits, until_s
+        )
+    bound_sum_s = min(result.bound_sum_s, until_s - last_release)
     return JctBound(
-        avg_jct_s=float(result.bound_sum_s / len(chosen)),
+        avg_jct_s=float(bound_sum_s / len(chosen)),
         lp_avg_jct_s=float(result.primal_sum_s / len(chosen)),
         jobs=len(chosen),
         horizon_s=float(horizon_s),
@@ -168,6 +206,27 @@ def _first_horizon(
     return start_s + max(horizon, config.slot_s)
 
 
+def _all_limits(
+    jobs: list[TraceJob],
+    tables: list[JobTables],
+    clock: CarbonClock,
+    config: SimulationConfig,
+    periods_in_span: list[tuple[float, float, float]],
+    start_s: float,
+    until_s: float,
+) -> list[JobLimits]:
+    """Every job's floors under each budget period's own window, periods extended to until_s."""
+    periods = list(periods_in_span)
+    if periods and config.budget_period in PERIOD_S:
+        spent = [0.0] * len(periods)
+        _extend_periods(config, periods, spent, periods[0][2], until_s + PERIOD_S["day"])
+    windows = _windows(config, periods, start_s, until_s, pairs=False)
+    return [
+        job_limits(job, table, clock, windows, until_s)
+        for job, table in zip(jobs, tables, strict=True)
+    ]
+
+
 @dataclass(frozen=True)
 class _Solved:
     bound_sum_s: float
@@ -184,7 +243,7 @@ def _boundaries(
     horizon_s: float,
 ) -> np.ndarray:
     """Slot edges in [start_s, horizon_s]: every step of the wrapping series and window edge."""
-    steps = np.array([(t - clock.origin).total_seconds() for t in clock.series.times])
+    steps = clock.step_offsets_s
     first_wrap = math.floor(start_s / clock.span_s)
     last_wrap = math.floor(horizon_s / clock.span_s)
     marks = [steps + k * clock.span_s for k in range(first_wrap, last_wrap + 1)]
@@ -208,8 +267,11 @@ def _windows(
     periods: list[tuple[float, float, float]],
     start_s: float,
     horizon_s: float,
+    *,
+    pairs: bool = True,
 ) -> list[tuple[float, float, float]]:
-    """(from_s, to_s, kg): emissions inside [from_s, to_s) are at most kg (module docstring)."""
+    """(from_s, to_s, kg): emissions inside [from_s, to_s) are at most kg (module docstring);
+    without `pairs` only each period's own window (disjoint, in time order)."""
     if not periods:
         return []
     if not math.isfinite(periods[0][1]):
@@ -221,7 +283,7 @@ def _windows(
             break
         left = begin + margin if i > 0 else begin
         out.append((left, min(end - margin, horizon_s), share))
-        if i + 1 < len(periods):
+        if pairs and i + 1 < len(periods):
             after_end, after_share = periods[i + 1][1], periods[i + 1][2]
             out.append((left, min(after_end - margin, horizon_s), share + after_share))
     return [w for w in out if w[1] > w[0]]
@@ -236,6 +298,8 @@ def _solve(
     start_s: float,
     horizon_s: float,
     segments: int,
+    limits: list[JobLimits],
+    until_s: float,
 ) -> _Solved:
     """Build and solve the LP of the module docstring over [start_s, horizon_s)."""
     periods = list(periods_in_span)
@@ -250,6 +314,7 @@ def _solve(
     kg_per_w = np.array([clock.kg_per_w(a, b) for a, b in zip(begin, end, strict=True)])
 
     cost: list[np.ndarray] = []
+    lower: list[np.ndarray] = []
     upper: list[np.ndarray] = []
     rows: list[np.ndarray] = []  # A_ub in COO
     cols: list[np.ndarray] = []
@@ -263,15 +328,13 @@ def _solve(
     x_gpus: list[np.ndarray] = []
     x_power: list[np.ndarray] = []
     tail_cols: list[int] = []
-    constant_s = 0.0
     n_var = 0
     n_row = 0
-    for j, (job, table) in enumerate(zip(jobs, tables, strict=True)):
+    for j, (job, table, limit) in enumerate(zip(jobs, tables, limits, strict=True)):
         release = job.submission_s
         work = job.total_samples
         rates = np.asarray(table.throughput_samples_per_s)
         p_s = work / rates.max()
-        constant_s += p_s / 2
         first = max(0, int(np.searchsorted(edges, release, side="right")) - 1)
         s_idx = np.arange(first, num_slots)
         s_count = len(s_idx)
@@ -297,12 +360,26 @@ def _solve(
             slopes = p_s * u[:, None] * (np.arange(m) / (m - 1))[None, :]
         z_ids = n_var + np.arange(s_count * m).reshape(s_count, m)
         n_var += s_count * m
-        cost.append(((a - release)[:, None] + slopes).ravel())
+        cost.append(np.zeros(s_count * m))
         upper.append(widths.ravel())
         tail_cols.append(n_var)
-        cost.append(np.array([horizon_s - release]))
+        cost.append(np.zeros(1))
         upper.append(np.array([1.0]))
         n_var += 1
+        # jct[j] >= the job's undone-work term + its done-work floor, and >= its earliest JCT.
+        jct_col = n_var
+        n_var += 1
+        cost.append(np.ones(1))
+        lower.append(np.zeros(s_count * (n_counts + m) + 1))
+        lower.append(np.array([limit.earliest_jct_s]))
+        upper.append(np.array([max(until_s - release, limit.earliest_jct_s)]))
+        rows.append(np.full(s_count * m + 2, n_row))
+        cols.append(np.concatenate([z_ids.ravel(), [tail_cols[-1], jct_col]]))
+        vals.append(
+            np.concatenate([((a - release)[:, None] + slopes).ravel(), [horizon_s - release, -1.0]])
+        )
+        b_ub.append(np.array([-limit.done_integral_s]))
+        n_row += 1
         # Row: sum_c x[s, c] <= avail[s].
         run_rows = n_row + np.arange(s_count)
         n_row += s_count
@@ -347,6 +424,7 @@ def _solve(
         b_ub.append(np.array([kg]))
         n_row += 1
     c_vec = np.concatenate(cost)
+    lb = np.concatenate(lower)
     ub = np.concatenate(upper)
     a_ub = sp.csr_array(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n_row, n_var)
@@ -361,7 +439,7 @@ def _solve(
         b_ub=b_vec,
         A_eq=a_eq,
         b_eq=b_eq,
-        bounds=np.column_stack([np.zeros(n_var), ub]),
+        bounds=np.column_stack([lb, ub]),
         method="highs",
     )
     if res.status != 0:
@@ -370,12 +448,177 @@ def _solve(
     y_ub = np.minimum(np.asarray(res.ineqlin.marginals), 0.0)
     y_eq = np.asarray(res.eqlin.marginals)
     reduced = c_vec - a_ub.T @ y_ub - a_eq.T @ y_eq
-    dual = float(np.minimum(0.0, reduced * ub).sum() + y_ub @ b_vec + y_eq @ b_eq)
+    dual = float(np.minimum(reduced * lb, reduced * ub).sum() + y_ub @ b_vec + y_eq @ b_eq)
     tail = float(res.x[np.asarray(tail_cols)].sum())
     return _Solved(
-        bound_sum_s=dual + constant_s,
-        primal_sum_s=float(res.fun) + constant_s,
+        bound_sum_s=dual,
+        primal_sum_s=float(res.fun),
         tail_work=tail,
         slots=num_slots,
         variables=n_var,
     )
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """Floors on one job's JCT terms from what it alone could do under the budget windows."""
+
+    earliest_jct_s: float  # no schedule within the budgets finishes the job sooner after release
+    done_integral_s: float  # no schedule has a smaller int_r^C f dt (at least p / 2)
+
+
+def job_limits(
+    job: TraceJob,
+    table: JobTables,
+    clock: CarbonClock,
+    windows: list[tuple[float, float, float]],
+    until_s: float,
+    *,
+    fine_s: float = FINE_S,
+) -> JobLimits:
+    """The job's floors among schedules that finish it by `until_s` (module docstring)."""
+    release = job.submission_s
+    top_rate = float(np.max(table.throughput_samples_per_s)) / job.total_samples  # fraction/s
+    half_run_s = 0.5 / top_rate
+    stretches = _stretches(job, table, clock, windows, release, until_s)
+    earliest = _earliest_finish_s(stretches, top_rate, release)
+    if earliest > until_s:
+        return JobLimits(until_s - release, half_run_s)
+    least = _least_done_integral_s(stretches, top_rate, release, earliest, until_s, fine_s)
+    return JobLimits(earliest - release, max(half_run_s, least))
+
+
+def _stretches(
+    job: TraceJob,
+    table: JobTables,
+    clock: CarbonClock,
+    windows: list[tuple[float, float, float]],
+    release: float,
+    until_s: float,
+) -> list[tuple[float, float, float]]:
+    """(from_s, to_s, cap) covering [release, until_s): the most work fraction the job alone can
+    do inside each budget window (inf between windows, where only its top rate limits it)."""
+    out: list[tuple[float, float, float]] = []
+    cursor = release
+    for w_from, w_to, kg in sorted(windows):
+        if w_to <= cursor or w_from >= until_s:
+            continue
+        if w_from > cursor:
+            out.append((cursor, w_from, math.inf))
+            cursor = w_from
+        w_end = min(w_to, until_s)
+        out.append((cursor, w_end, _most_work_fraction(job, table, clock, cursor, w_end, kg)))
+        cursor = w_end
+    if cursor < until_s:
+        out.append((cursor, until_s, math.inf))
+    return out
+
+
+def _most_work_fraction(
+    job: TraceJob, table: JobTables, clock: CarbonClock, from_s: float, to_s: float, kg: float
+) -> float:
+    """Upper bound on the work fraction the job alone can do in [from_s, to_s) emitting <= kg.
+
+    Lagrangian of the LP (per series step, time shares of the allowed counts): for any price
+    lam >= 0 the most is at most lam kg + sum_steps max(0, max_c gain - lam cost), so the least
+    such value over a grid of prices is an upper bound whatever the grid."""
+    edges = _boundaries(clock, [], from_s, to_s)
+    begin, end = edges[:-1], edges[1:]
+    kg_per_w = np.array([clock.kg_per_w(a, b) for a, b in zip(begin, end, strict=True)])
+    rates = np.asarray(table.throughput_samples_per_s) / job.total_samples
+    gain = (end - begin)[:, None] * rates[None, :]  # work fraction for running the whole step
+    cost = kg_per_w[:, None] * np.asarray(table.power_w)[None, :]
+    free = float(gain.max(axis=1).sum())
+    if kg <= 0:
+        return 0.0
+    top = float((gain / cost).max())
+    lams = np.concatenate([[0.0], top * np.geomspace(1e-6, 1.0, 160)])
+    for _ in range(3):
+        value = lams * kg + np.maximum(
+            0.0, (gain[None] - lams[:, None, None] * cost[None]).max(axis=2)
+        ).sum(axis=1)
+        i = int(np.argmin(value))
+        lo, hi = lams[max(i - 1, 0)], lams[min(i + 1, len(lams) - 1)]
+        best = float(value[i])
+        lams = np.linspace(lo, hi, 64)
+    return min(free, best)
+
+
+def _earliest_finish_s(
+    stretches: list[tuple[float, float, float]], top_rate: float, release: float
+) -> float:
+    """Earliest time the job can have done all its work (inf: not within the stretches)."""
+    done = 0.0
+    for s_from, s_to, cap in stretches:
+        start = max(s_from, release)
+        most = min(cap, (s_to - start) * top_rate)
+        if done + most >= 1.0:
+            return start + (1.0 - done) / top_rate
+        done += most
+    return math.inf
+
+
+def _done_integral_s(
+    stretches: list[tuple[float, float, float]],
+    top_rate: float,
+    release: float,
+    finish_s: float,
+) -> float:
+    """Least int_r^C f dt of a schedule finishing at C = `finish_s`: every stretch's most work
+    packed at its end at the top rate, latest first (inf when that does not reach 1)."""
+    need = 1.0
+    total = 0.0
+    for s_from, s_to, cap in reversed(stretches):
+        if s_from >= finish_s:
+            continue
+        hi = min(s_to, finish_s)
+        lo = max(s_from, release)
+        if hi <= lo:
+            break
+        piece = min(cap, (hi - lo) * top_rate, need)
+        # Work `piece` done at the top rate over [hi - piece / top_rate, hi].
+        total += piece * (finish_s - hi + 0.5 * piece / top_rate)
+        need -= piece
+        if need <= 1e-12:
+            return total
+    return math.inf
+
+
+def _least_done_integral_s(
+    stretches: list[tuple[float, float, float]],
+    top_rate: float,
+    release: float,
+    earliest: float,
+    until_s: float,
+    fine_s: float,
+) -> float:
+    """Lower bound on min over C in [earliest, until_s] of `_done_integral_s` (within fine_s).
+
+    For C in [C0, C1]: int_r^C f >= int_r^C0 f and f(t) >= F_C1(t), the packed profile for
+    C1, so the value at C is at least the value at C1 minus C1 - C0 (F <= 1). Intervals whose
+    floor can still beat the best value seen are split until no wider than fine_s."""
+    floor_s = 0.5 / top_rate  # no schedule does better than running at the top rate throughout
+    best = _done_integral_s(stretches, top_rate, release, earliest)
+    if best <= floor_s + fine_s:
+        return floor_s
+    pending = [(earliest, until_s)]
+    leaves = best
+    evaluations = 0
+    while pending:
+        c0, c1 = pending.pop()
+        width = c1 - c0
+        pieces = max(2, min(64, math.ceil(width / fine_s)))
+        points = np.linspace(c0, c1, pieces + 1)
+        step = width / pieces
+        for a, b in itertools.pairwise(points):
+            value = _done_integral_s(stretches, top_rate, release, float(b))
+            evaluations += 1
+            best = min(best, value)
+            floor = max(floor_s, value - step)
+            if floor >= best:
+                continue
+            if step <= fine_s or evaluations > MAX_EVALUATIONS:
+                leaves = min(leaves, floor)
+            else:
+                pending.append((float(a), float(b)))
+    return min(leaves, best)

@@ -191,6 +191,8 @@ class CarbonClock:
         ]
         last_step = steps[-1] if steps else 3600.0
         self.span_s = (series.times[-1] - self.origin).total_seconds() + last_step
+        # Each step's start in seconds from the origin (one wrap).
+        self.step_offsets_s = np.array([(t - self.origin).total_seconds() for t in series.times])
         self._cache: dict[tuple[float, float], float] = {}
 
     def kg_per_w(self, start_s: float, end_s: float) -> float:
