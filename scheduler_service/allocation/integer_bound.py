@@ -81,10 +81,10 @@ def _best_rows(
         pick = np.full((num_jobs, grid + 1), -1, dtype=np.int8)
         # Suffix minima (and where) for reaching "done" from any state at or above a start.
         suffix = np.minimum.accumulate(cost[:, ::-1], axis=1)[:, ::-1]
-        where = np.empty((num_jobs, grid + 1), dtype=np.int64)
-        where[:, grid] = grid
-        for i in range(grid - 1, -1, -1):
-            where[:, i] = np.where(cost[:, i] <= suffix[:, i + 1], i, where[:, i + 1])
+        # The first state at or above each start holding its suffix minimum: the next state
+        # that is a minimum of its own suffix (every state between costs more than it).
+        record = np.where(cost <= suffix, cells, grid)
+        where = np.minimum.accumulate(record[:, ::-1], axis=1)[:, ::-1]
         from_done = np.full(num_jobs, grid, dtype=np.int64)
         start_s = t * slot_s
         inside = binding & (deadline > start_s) & (deadline < start_s + slot_s)
