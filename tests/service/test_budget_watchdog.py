@@ -10,6 +10,8 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from scheduler_service.allocation.policies import get_policy
+from scheduler_service.allocation.problem import AllocationProblem, BudgetPeriod, JobSpec
 from scheduler_service.budget.periods import period_containing
 from scheduler_service.budget.watchdog import SpendExpectation, replan_reason, watch_lead_s
 from scheduler_service.control_loop import ControlLoop
@@ -139,6 +141,32 @@ def test_an_expectation_from_another_period_does_not_silence_the_early_wake() ->
     assert reason is not None and "would be spent within" in reason
     # Nor does its planned rate count for today: 3.6 kg an hour would reach 1 kg in 60 s.
     assert replan_reason(_status(0.95), yesterday, now, rate_kg_per_s=0.0, lead_s=60.0) is None
+
+
+@pytest.mark.parametrize(("left_kg", "slot0_gpus"), [(0.01, {0}), (0.0268, {1, 2, 4})])
+def test_the_plan_an_early_wake_gets_stops_or_shrinks_the_jobs_within_what_is_left(
+    left_kg: float, slot0_gpus: set[int]
+) -> None:
+    # A job on 8 GPUs (3 kW; 1 GPU: 400 W) at 400 g/kWh and PUE 1.2: 0.4 g/s on 8 GPUs, and a
+    # whole 300 s slot on 1 GPU costs 16 g. 10 g left: not even that slot fits, so it stops;
+    # 26.8 g (the 67 s lead at 0.4 g/s): it shrinks to what one slot can pay for.
+    job = JobSpec(
+        "1", (1, 2, 4, 8), (100.0, 190.0, 360.0, 700.0), (400.0, 780.0, 1550.0, 3000.0), 1e9,
+        current_gpus=8,
+    )  # fmt: skip
+    problem = AllocationProblem(
+        start_at=PLAN_AT,
+        slot_s=300.0,
+        capacity_gpus=(8,) * 24,
+        intensity_g_per_kwh=(400.0,) * 24,
+        jobs=(job,),
+        pue=1.2,
+        budget_periods=(BudgetPeriod(-36_000.0, 50_400.0, left_kg),),
+    )
+    plan = get_policy("greenflow")(problem, previous=None, time_limit_s=2.0, seed=0)
+    assert plan.gpus["1"][0] in slot0_gpus
+    # The hard budget holds in the plan: nothing beyond what is left, whole slots only.
+    assert sum(plan.emissions_kg_per_slot) <= left_kg * (1 + 1e-6)
 
 
 def _config(limit_kg: float) -> GreenflowConfig:
