@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -17,7 +18,7 @@ from energy_model.carbon.forecast import CarbonForecast
 from energy_model.carbon.resilient import ResilientCarbonSource
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import AllocationPlan
-from scheduler_service.budget.watchdog import SpendExpectation, replan_reason
+from scheduler_service.budget.watchdog import SpendExpectation, replan_reason, watch_lead_s
 from scheduler_service.carbon.service import (
     anchor_replay,
     make_carbon_source,
@@ -82,7 +83,12 @@ class ControlLoop:
         # one at a time, or both would charge the same samples and one commit would fail.
         self._ledger_lock = threading.Lock()
         self._spend_expectation: SpendExpectation | None = None
+        # The expectation the watchdog last woke the tick for: until a tick replaces it, another
+        # reason would only queue a second tick behind the one already asked for.
+        self._woken_for: SpendExpectation | None = None
         self.budget_wakes = 0
+        # Seconds the last finished tick took (solve and push): the watchdog's latency allowance.
+        self.last_tick_s = 0.0
         # When this replica became leader: heartbeats are judged only after a full timeout,
         # so a scheduler restart does not declare every node lost.
         self.leader_since: datetime | None = None
@@ -130,17 +136,36 @@ class ControlLoop:
             self.wake()
         return reason
 
+    def watch_lead_s(self) -> float:
+        """Seconds the watchdog looks ahead: to a stop decided at the next check taking effect."""
+        planner = self.config.planner
+        return watch_lead_s(
+            planner.budget_check_s(),
+            self.config.cluster.agent_telemetry_interval_s,
+            max(self.last_tick_s, planner.tick_latency_floor_s),
+        )
+
     def _record_now(self, forecast: CarbonForecast) -> str | None:
         with self._ledger_lock, transaction(self.session_factory) as session:
             record_intensity_now(session, forecast)
-            if self.config.budget.enforcement != "hard" or not charge_new_telemetry(
-                session, self.config
-            ):
+            if self.config.budget.enforcement != "hard":
+                return None
+            charged = charge_new_telemetry(session, self.config)
+            if not charged.samples:
                 return None
             now = utcnow()
-            return replan_reason(
-                current_period(session, self.config, now), self._spend_expectation, now
+            expectation = self._spend_expectation
+            reason = replan_reason(
+                current_period(session, self.config, now),
+                expectation,
+                now,
+                rate_kg_per_s=charged.rate_kg_per_s,
+                lead_s=self.watch_lead_s(),
             )
+            if reason is None or (expectation is not None and expectation is self._woken_for):
+                return None
+            self._woken_for = expectation
+            return reason
 
     async def _tick_forever(self) -> None:
         while not self._stopping:
@@ -175,6 +200,7 @@ class ControlLoop:
 
     async def tick(self) -> TickReport:
         """One pass of DESIGN.md's data flow."""
+        started_s = time.monotonic()
         now = utcnow()
         forecast = await self.carbon.get_forecast(self.config.planner.horizon_s)
         planned, status = await asyncio.to_thread(self._plan, forecast, now)
@@ -189,6 +215,7 @@ class ControlLoop:
             acked += sum(results)
             failed += len(results) - sum(results)
         self.ticks += 1
+        self.last_tick_s = time.monotonic() - started_s
         return TickReport(now, planned, len(deliveries), acked, failed, forecast.degraded, status)
 
     def _plan(self, forecast: CarbonForecast, now: datetime) -> tuple[int, str | None]:
@@ -207,6 +234,11 @@ class ControlLoop:
                 if job is not None and job.state_reason != reason:
                     job.state_reason = reason
             if not planning.problem.jobs:
+                # Nothing planned, nothing expected: the watchdog's once-per-plan rules then
+                # hold for this empty plan too, instead of waking a tick at every check.
+                self._spend_expectation = SpendExpectation.of_nothing(
+                    now, self.config.planner.slot_s, current_period(session, self.config, now)
+                )
                 return 0, None
             plan = self.policy(
                 planning.problem,

@@ -54,14 +54,24 @@ def _intensity_series(
     return IntensitySeries(tuple(times), tuple(values), source="ledger")
 
 
-def charge_new_telemetry(session: Session, config: GreenflowConfig) -> int:
-    """Create ledger entries for every telemetry sample not charged yet; return how many samples."""
+@dataclass(frozen=True)
+class ChargedTelemetry:
+    """What one charge of new telemetry added: how many samples, and the draw they show now."""
+
+    samples: int
+    # Sum over the jobs charged of each one's newest sample (its kg over its seconds): the
+    # rate at which the cluster spends now, as far as the telemetry just charged tells.
+    rate_kg_per_s: float
+
+
+def charge_new_telemetry(session: Session, config: GreenflowConfig) -> ChargedTelemetry:
+    """Create ledger entries for every telemetry sample not charged yet; say what they show."""
     samples = TelemetryRepository(session).uncharged()
     ledger = LedgerRepository(session)
     pue = config.cluster.pue
     kind: PeriodKind = config.budget.period
     if not samples:
-        return 0
+        return ChargedTelemetry(samples=0, rate_kg_per_s=0.0)
     # One step series for the whole batch: a step function read over a wider span charges each
     # interval exactly as a series read for that interval alone would.
     series = _intensity_series(
@@ -70,7 +80,10 @@ def charge_new_telemetry(session: Session, config: GreenflowConfig) -> int:
         max(s.at for s in samples),
         config.carbon.conservative_intensity_g_per_kwh,
     )
+    # job id -> (end of its newest sample, that sample's kg per second).
+    newest: dict[int, tuple[datetime, float]] = {}
     for sample in samples:
+        sample_kg = 0.0
         end_at = sample.at
         start_at = end_at - timedelta(seconds=sample.interval_s)
         # The agent measured energy; spread it evenly over the interval as an average power.
@@ -80,6 +93,7 @@ def charge_new_telemetry(session: Session, config: GreenflowConfig) -> int:
             share = (hi - lo).total_seconds() / sample.interval_s
             emissions_kg = interval_emissions_kg(power_w, lo, hi, series, pue)
             energy_kwh = sample.energy_kwh * share
+            sample_kg += emissions_kg
             ledger.add(
                 LedgerEntry(
                     job_id=sample.job_id,
@@ -97,8 +111,13 @@ def charge_new_telemetry(session: Session, config: GreenflowConfig) -> int:
                     emissions_kg=emissions_kg,
                 )
             )
+        # The newest sample, not the batch's average: a job that just grew draws its new power.
+        if sample.job_id not in newest or end_at > newest[sample.job_id][0]:
+            newest[sample.job_id] = (end_at, sample_kg / sample.interval_s)
     session.flush()
-    return len(samples)
+    return ChargedTelemetry(
+        samples=len(samples), rate_kg_per_s=sum(rate for _, rate in newest.values())
+    )
 
 
 def period_status(session: Session, config: GreenflowConfig, period: BudgetPeriod) -> PeriodStatus:

@@ -84,6 +84,10 @@ class PlannerConfig(BaseModel):
     # How often, between ticks, the loop records the intensity now, charges new telemetry and
     # checks the hard budget (the budget watchdog); None: slot_s / 5, within 1-300 s.
     budget_check_interval_s: Annotated[float | None, Field(gt=0, le=3600)] = None
+    # The least time (s) the budget watchdog allows a tick to solve and push a stop, when the
+    # last tick measured took less: it wakes the tick this much (plus a check interval and a
+    # telemetry report) before the spend would reach the hard budget.
+    tick_latency_floor_s: Annotated[float, Field(ge=0, le=600)] = 2.0
     # The allocation policy the control loop and admission both use (names of POLICIES).
     policy: PolicyName = "greenflow"
     seed: int = 0

@@ -8,15 +8,18 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
 
+from scheduler_service.allocation.policies import get_policy
+from scheduler_service.allocation.problem import AllocationProblem, BudgetPeriod, JobSpec
 from scheduler_service.budget.periods import period_containing
-from scheduler_service.budget.watchdog import SpendExpectation, replan_reason
+from scheduler_service.budget.watchdog import SpendExpectation, replan_reason, watch_lead_s
 from scheduler_service.control_loop import ControlLoop
 from scheduler_service.db import migrate
 from scheduler_service.db.models import Job, LedgerEntry, TelemetrySample
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.jobs.states import JobState
-from scheduler_service.ledger import PeriodStatus
+from scheduler_service.ledger import PeriodStatus, current_period
 from scheduler_service.settings import GreenflowConfig
 from tests.api.conftest import database_url, postgres_server  # noqa: F401 (fixtures)
 
@@ -83,14 +86,142 @@ def test_spending_faster_than_planned_wakes_only_when_the_budget_is_at_risk() ->
     assert replan_reason(_status(0.9), other_day, now) is None
 
 
+def test_the_lead_runs_to_a_stop_decided_at_the_next_check() -> None:
+    # The next check, the telemetry it has not heard of yet, the tick that stops the jobs.
+    assert watch_lead_s(60.0, 5.0, 2.0) == pytest.approx(67.0)
+
+
+def test_a_budget_about_to_run_out_wakes_the_planner_before_it_is_spent() -> None:
+    now = PLAN_AT + timedelta(minutes=20)
+    # Made at 0.9 kg, planning 0.15 kg an hour: the 0.05 kg spent since is just what it expected.
+    plan = _expectation(0.9, kg_per_slot=0.15)
+    # 1 g/s for 60 s reaches 0.95 + 0.06 >= 1 kg: wake now, while 0.05 kg are still left.
+    reason = replan_reason(_status(0.95), plan, now, rate_kg_per_s=0.001, lead_s=60.0)
+    assert reason is not None and "would be spent within 60 s" in reason
+    assert "0.95 of 1 kg" in reason
+    # At half that rate the budget outlasts the lead: the next check is soon enough.
+    assert replan_reason(_status(0.95), plan, now, rate_kg_per_s=0.0005, lead_s=60.0) is None
+    # Without a lead the rule is off: only a spent budget or a runaway spend wakes the tick.
+    assert replan_reason(_status(0.95), plan, now, rate_kg_per_s=1.0, lead_s=0.0) is None
+    # No plan for this period yet: the measured rate alone tells.
+    assert replan_reason(_status(0.95), None, now, rate_kg_per_s=0.001, lead_s=60.0) is not None
+
+
+def test_the_plans_rate_counts_where_it_is_higher_than_the_measured_one() -> None:
+    now = PLAN_AT + timedelta(minutes=20)
+    # A plan that runs the jobs at 3.6 kg an hour (1 g/s); the telemetry shows less so far.
+    plan = _expectation(0.9, kg_per_slot=3.6)
+    reason = replan_reason(_status(0.95), plan, now, rate_kg_per_s=0.0001, lead_s=60.0)
+    assert reason is not None and "at 0.001 kg/s" in reason
+
+
+def test_a_budget_about_to_run_out_wakes_the_planner_once_per_plan() -> None:
+    now = PLAN_AT + timedelta(minutes=20)
+    # The plan in force was made with 0.04 kg left, less than 60 s at 1 g/s: it is the plan
+    # the early wake asked for, and it already saw the budget almost gone.
+    plan = _expectation(0.96, kg_per_slot=0.03)  # 0.01 kg in 20 min, as spent
+    assert replan_reason(_status(0.97), plan, now, rate_kg_per_s=0.001, lead_s=60.0) is None
+    # When the spend passes the limit all the same, that plan is told once more.
+    reason = replan_reason(_status(1.001), plan, now, rate_kg_per_s=0.001, lead_s=60.0)
+    assert reason is not None and "is spent" in reason
+
+
+def test_an_expectation_from_another_period_does_not_silence_the_early_wake() -> None:
+    now = PLAN_AT + timedelta(minutes=20)
+    # Made yesterday with 0.99 kg of yesterday's budget spent: it says nothing about today's.
+    yesterday = SpendExpectation(
+        period_start_at=DAY.start_at - timedelta(days=1),
+        period_end_at=DAY.start_at,
+        spent_at_plan_kg=0.99,
+        plan_start_at=PLAN_AT - timedelta(days=1),
+        slot_s=3600.0,
+        planned_kg_per_slot=(3.6,) * 48,
+    )
+    reason = replan_reason(_status(0.95), yesterday, now, rate_kg_per_s=0.001, lead_s=60.0)
+    assert reason is not None and "would be spent within" in reason
+    # Nor does its planned rate count for today: 3.6 kg an hour would reach 1 kg in 60 s.
+    assert replan_reason(_status(0.95), yesterday, now, rate_kg_per_s=0.0, lead_s=60.0) is None
+
+
+@pytest.mark.parametrize(("left_kg", "slot0_gpus"), [(0.01, {0}), (0.0268, {1, 2, 4})])
+def test_the_plan_an_early_wake_gets_stops_or_shrinks_the_jobs_within_what_is_left(
+    left_kg: float, slot0_gpus: set[int]
+) -> None:
+    # A job on 8 GPUs (3 kW; 1 GPU: 400 W) at 400 g/kWh and PUE 1.2: 0.4 g/s on 8 GPUs, and a
+    # whole 300 s slot on 1 GPU costs 16 g. 10 g left: not even that slot fits, so it stops;
+    # 26.8 g (the 67 s lead at 0.4 g/s): it shrinks to what one slot can pay for.
+    job = JobSpec(
+        "1", (1, 2, 4, 8), (100.0, 190.0, 360.0, 700.0), (400.0, 780.0, 1550.0, 3000.0), 1e9,
+        current_gpus=8,
+    )  # fmt: skip
+    problem = AllocationProblem(
+        start_at=PLAN_AT,
+        slot_s=300.0,
+        capacity_gpus=(8,) * 24,
+        intensity_g_per_kwh=(400.0,) * 24,
+        jobs=(job,),
+        pue=1.2,
+        budget_periods=(BudgetPeriod(-36_000.0, 50_400.0, left_kg),),
+    )
+    plan = get_policy("greenflow")(problem, previous=None, time_limit_s=2.0, seed=0)
+    assert plan.gpus["1"][0] in slot0_gpus
+    # The hard budget holds in the plan: nothing beyond what is left, whole slots only.
+    assert sum(plan.emissions_kg_per_slot) <= left_kg * (1 + 1e-6)
+
+
 def _config(limit_kg: float) -> GreenflowConfig:
     return GreenflowConfig.model_validate(
         {
             "budget": {"period": "day", "limit_kg_co2e": limit_kg, "enforcement": "hard"},
             "carbon": {"provider": "synthetic", "conservative_intensity_g_per_kwh": 500},
-            "planner": {"slot_s": 300},
+            # The watchdog looks 60 + 5 + 2 = 67 s ahead (check, telemetry report, tick).
+            "planner": {"slot_s": 300, "budget_check_interval_s": 60, "tick_latency_floor_s": 2},
+            "cluster": {"agent_telemetry_interval_s": 5},
         }
     )
+
+
+def _running_job(factory: sessionmaker[Session], now: datetime) -> int:
+    with transaction(factory) as session:
+        job = Job(
+            owner="alice",
+            name="big",
+            workload="resnet50",
+            global_batch_size=256,
+            min_gpus=1,
+            max_gpus=8,
+            state=JobState.RUNNING.value,
+            state_reason="running",
+            created_at=now - timedelta(minutes=5),
+            updated_at=now - timedelta(minutes=5),
+        )
+        session.add(job)
+        session.flush()
+        return job.id
+
+
+def _report(factory: sessionmaker[Session], job_id: int, ends: list[datetime]) -> None:
+    """Telemetry as an agent sends it: 8 GPUs drawing 3 kW, one sample per 5 s ending at `ends`."""
+    with transaction(factory) as session:
+        for end_at in ends:
+            session.add(
+                TelemetrySample(
+                    sample_id=f"w-{job_id}-{end_at.timestamp()}",
+                    job_id=job_id,
+                    node_id=None,
+                    at=end_at,
+                    interval_s=5.0,
+                    step=0,
+                    samples_done=0,
+                    samples_per_s=200.0,
+                    loss=None,
+                    gpus=8,
+                    layout="dp8",
+                    power_w=3000.0,
+                    energy_kwh=3000.0 * 5 / 3.6e6,
+                    power_source="estimated",
+                )
+            )
 
 
 def test_the_loop_charges_new_telemetry_between_ticks_and_wakes_the_tick(
@@ -188,6 +319,64 @@ def test_a_wake_during_a_tick_starts_the_next_tick_at_once(tmp_path: Path) -> No
     try:
         asyncio.run(run())
         assert len(ticks) == 2
+    finally:
+        asyncio.run(loop.carbon.aclose())
+        engine.dispose()
+
+
+def test_the_loop_wakes_the_tick_before_the_budget_is_spent(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    now = datetime.now(UTC)
+    job_id = _running_job(factory, now)
+    # Each 5 s sample: 4.17 Wh x PUE 1.2 at the conservative 500 g/kWh (no intensity known
+    # before it) = 2.5 g, so 0.5 g/s, 33.5 g over the watchdog's 67 s lead. Budget: 50 g.
+    ends = [now - timedelta(seconds=200 - 5 * i) for i in range(21)]
+    loop = ControlLoop(_config(limit_kg=0.05), factory, engine)
+    assert loop.watch_lead_s() == pytest.approx(67.0)
+
+    def spent_kg() -> float:
+        with transaction(factory) as session:
+            return current_period(session, loop.config).spent_kg
+
+    def replan_at(spent: float) -> None:
+        # What a tick does: plan (here: nothing) knowing the spend so far.
+        with transaction(factory) as session:
+            period = current_period(session, loop.config)
+        assert period.spent_kg == pytest.approx(spent)
+        loop._spend_expectation = SpendExpectation.of_nothing(datetime.now(UTC), 300.0, period)
+
+    async def check(new_ends: list[datetime]) -> tuple[str | None, bool]:
+        _report(factory, job_id, new_ends)
+        loop._loop = asyncio.get_running_loop()
+        reason = await loop.sample_carbon_once(60.0)
+        await asyncio.sleep(0)  # let the thread-safe wake run
+        woken = loop.wake_event.is_set()
+        loop.wake_event.clear()
+        return reason, woken
+
+    try:
+        replan_at(0.0)
+        # 10 g spent, 43.5 g with the lead: the next check comes soon enough.
+        assert asyncio.run(check(ends[:4])) == (None, False)
+        assert spent_kg() == pytest.approx(0.01)
+        # 20 g spent, 53.5 g with the lead: wake now, 30 g before the budget is spent.
+        reason, woken = asyncio.run(check(ends[4:8]))
+        assert reason is not None and "would be spent within 67 s" in reason
+        assert woken and loop.budget_wakes == 1
+        assert spent_kg() == pytest.approx(0.02) and spent_kg() < 0.05
+        # The tick has not re-planned yet: one wake for this plan is enough.
+        assert asyncio.run(check(ends[8:9])) == (None, False)
+        # The tick re-plans with 27.5 g left, less than the lead's 33.5 g: it saw the end coming.
+        replan_at(0.0225)
+        assert asyncio.run(check(ends[9:10])) == (None, False)
+        # The jobs run on past the limit all the same: the plan that thought 25 g left is told.
+        reason, woken = asyncio.run(check(ends[10:]))
+        assert reason is not None and "is spent" in reason
+        assert woken and loop.budget_wakes == 2
+        assert spent_kg() == pytest.approx(0.0525)
     finally:
         asyncio.run(loop.carbon.aclose())
         engine.dispose()
