@@ -154,11 +154,15 @@ def _costs(ctx: _Ctx, jobs: np.ndarray, opts: np.ndarray) -> np.ndarray:
     done = np.where(finished, rem, done_after[:, -1])
     leftover = np.maximum(0.0, 1.0 - done / rem)
     tf = np.minimum(t_fin, num_slots - 1)
-    finish_s = np.where(
-        finished,
-        tf * ctx.slot_s + (rem - before[rows, tf]) / np.maximum(rate[rows, tf], 1e-300),
-        np.inf,
+    last_rate = rate[rows, tf]
+    # Only a finished job's last slot is divided by (it runs there, so its rate is positive).
+    into_s = np.divide(
+        rem - before[rows, tf],
+        last_rate,
+        out=np.zeros_like(last_rate),
+        where=finished & (last_rate > 0),
     )
+    finish_s = np.where(finished, tf * ctx.slot_s + into_s, np.inf)
     dl = ctx.deadline_s[jobs]
     met = finish_s <= dl + 1e-6
     late = ~finished & (dl >= ctx.horizon_s) & np.isfinite(dl)
