@@ -226,14 +226,20 @@ def run_case(
 
 
 def mip_check(
-    num_jobs: int, gpus: int, slots: int, data: Path, seed: int, mip_limit_s: float
+    num_jobs: int,
+    gpus: int,
+    slots: int,
+    data: Path,
+    seed: int,
+    mip_limit_s: float,
+    work_h: tuple[float, float] = WORK_H,
 ) -> dict[str, object]:
     """Integrality check on a small case: solve's plan and the exact MIP optimum vs the LP bound.
 
     Both gaps are `relative_gap` against the LP bound, like `gap` above.
     """
     rng = np.random.default_rng(seed)
-    jobs = make_jobs(num_jobs, min(gpus, 64), data, rng)
+    jobs = make_jobs(num_jobs, min(gpus, 64), data, rng, work_h)
     problem = AllocationProblem(
         start_at=datetime(2021, 1, 1, tzinfo=UTC),
         slot_s=SLOT_S,
@@ -304,7 +310,9 @@ def main() -> None:
         checks = []
         for spec in args.mip_check.split(","):
             jobs, gpus, slots = (int(x) for x in spec.split(":"))
-            checks.append(mip_check(jobs, gpus, slots, args.data, args.seed, args.mip_limit_s))
+            checks.append(
+                mip_check(jobs, gpus, slots, args.data, args.seed, args.mip_limit_s, (lo_h, hi_h))
+            )
             print(json.dumps(checks[-1]), file=sys.stderr)
         print(json.dumps({"mip_checks": checks}, indent=2))
         return
