@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Annotated
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.dependencies.models import Dependant
@@ -80,29 +81,48 @@ def get_config(request: Request) -> GreenflowConfig:
 ConfigDep = Annotated[GreenflowConfig, Depends(get_config)]
 
 
-def _query_param_names(dependant: Dependant) -> set[str]:
-    names = {param.alias for param in dependant.query_params}
+def _takes_many(annotation: Any) -> bool:
+    """Whether a query parameter of this type takes repeated values (a list, set or tuple)."""
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        return any(_takes_many(arg) for arg in get_args(annotation))
+    kind = origin or annotation
+    return (
+        isinstance(kind, type)
+        and issubclass(kind, (Sequence, set, frozenset))
+        and not (issubclass(kind, (str, bytes)))
+    )
+
+
+def _query_params(dependant: Dependant) -> dict[str, bool]:
+    """Query parameters the route declares (its dependencies' included): name -> takes many."""
+    params = {p.alias: _takes_many(p.field_info.annotation) for p in dependant.query_params}
     for sub in dependant.dependencies:
-        names |= _query_param_names(sub)
-    return names
+        params |= _query_params(sub)
+    return params
 
 
 def reject_unknown_query_params(request: Request) -> None:
-    """422 for query parameters the route does not declare (a typo must not be silently ignored)."""
+    """422 for query parameters the route does not declare, and for a one-value parameter given
+    several times (a typo, or a second value, must not be silently ignored)."""
     route = request.scope.get("route")
     dependant = getattr(route, "dependant", None)
     if dependant is None:
         return
-    known = _query_param_names(dependant)
-    unknown = sorted(set(request.query_params.keys()) - known)
-    if unknown:
-        raise RequestValidationError(
-            [
+    known = _query_params(dependant)
+    errors: list[dict[str, Any]] = [
+        {"loc": ["query", name], "msg": "unknown query parameter", "type": "extra_forbidden"}
+        for name in sorted(set(request.query_params.keys()) - set(known))
+    ]
+    for name, many in sorted(known.items()):
+        given = len(request.query_params.getlist(name))
+        if not many and given > 1:
+            errors.append(
                 {
                     "loc": ["query", name],
-                    "msg": "unknown query parameter",
-                    "type": "extra_forbidden",
+                    "msg": f"given {given} times; this parameter takes one value",
+                    "type": "too_many_values",
                 }
-                for name in unknown
-            ]
-        )
+            )
+    if errors:
+        raise RequestValidationError(errors)

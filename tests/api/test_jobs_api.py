@@ -167,6 +167,28 @@ def test_listing_filters_and_paginates(client: TestClient, tokens: Tokens) -> No
     assert client.get("/v1/jobs?limit=0", headers=auth(tokens.alice)).status_code == 422
 
 
+def test_query_typos_and_repeated_one_value_parameters_get_422_naming_them(
+    client: TestClient, tokens: Tokens
+) -> None:
+    client.post("/v1/jobs", json=spec(), headers=auth(tokens.alice))
+    typo = client.get("/v1/jobs?stat=CANCELLED", headers=auth(tokens.alice))
+    assert typo.status_code == 422
+    assert typo.json()["detail"][0]["loc"] == ["query", "stat"]
+    twice = client.get("/v1/jobs?limit=1&limit=50", headers=auth(tokens.alice))
+    assert twice.status_code == 422
+    assert twice.json()["detail"] == [
+        {
+            "loc": ["query", "limit"],
+            "msg": "given 2 times; this parameter takes one value",
+            "type": "too_many_values",
+        }
+    ]
+    # A list parameter takes repeated values.
+    both = client.get("/v1/jobs?state=QUEUED&state=PENDING", headers=auth(tokens.alice))
+    assert both.status_code == 200, both.text
+    assert both.json()["total"] == 1
+
+
 def test_cancel_is_recorded_and_terminal_states_are_never_left(
     client: TestClient, tokens: Tokens
 ) -> None:
