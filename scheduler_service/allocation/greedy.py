@@ -197,6 +197,8 @@ def greedy_plan(
     )
     res_after = np.cumsum(res_work[:, ::-1], axis=1)[:, ::-1] - res_work
     has_res = res_on.any(axis=1)
+    # Seconds of each job's deadline window from slot t on (for its urgency below).
+    window_left_s = np.maximum(np.cumsum(dur[:, ::-1], axis=1)[:, ::-1], 1e-9)
 
     valid = arrays.valid
     gpus = arrays.gpus.astype(float)
@@ -233,9 +235,10 @@ def greedy_plan(
         # crowd everyone out near the deadlines. Its work is worth more the larger the share of
         # its top rate its deadline still needs on average (measured: 1,000 x 48 x 2,048 with
         # 12-48 h jobs 9.14 -> 7.71 % above the LP bound, default mix 8.86 -> 8.79 %).
-        window_s = np.maximum(dur[:, t:].sum(axis=1), 1e-9)
         urgency = np.where(
-            has_res, np.maximum(need - done, 0.0) / window_s / arrays.max_throughput, 0.0
+            has_res,
+            np.maximum(need - done, 0.0) / window_left_s[:, t] / arrays.max_throughput,
+            0.0,
         )
         worth = worth * (1.0 + URGENCY_WEIGHT * urgency)
         value = worth[:, None] * np.minimum(thr * slot_s, left[:, None])

@@ -87,6 +87,8 @@ from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 SEGMENTS = 4
 # Work fraction left past the horizon below which the horizon counts as long enough.
 TAIL_TOLERANCE = 1e-7
+# (from_s, to_s, cap): the most work fraction a job alone can do in [from_s, to_s).
+Stretch = tuple[float, float, float]
 # A job's done-work floor is searched over its finish time to within this many seconds.
 FINE_S = 10.0
 # Evaluations of one job's done-work floor before the search keeps its coarse intervals' floors.
@@ -206,6 +208,17 @@ def _first_horizon(
     return start_s + max(horizon, config.slot_s)
 
 
+def _periods_until(
+    config: SimulationConfig, periods_in_span: list[tuple[float, float, float]], until_s: float
+) -> list[tuple[float, float, float]]:
+    """The run's budget periods, extended (each further one at the same share) past until_s."""
+    periods = list(periods_in_span)
+    if periods and config.budget_period in PERIOD_S:
+        spent = [0.0] * len(periods)
+        _extend_periods(config, periods, spent, periods[0][2], until_s + PERIOD_S["day"])
+    return periods
+
+
 def _all_limits(
     jobs: list[TraceJob],
     tables: list[JobTables],
@@ -216,10 +229,7 @@ def _all_limits(
     until_s: float,
 ) -> list[JobLimits]:
     """Every job's floors under each budget period's own window, periods extended to until_s."""
-    periods = list(periods_in_span)
-    if periods and config.budget_period in PERIOD_S:
-        spent = [0.0] * len(periods)
-        _extend_periods(config, periods, spent, periods[0][2], until_s + PERIOD_S["day"])
+    periods = _periods_until(config, periods_in_span, until_s)
     windows = _windows(config, periods, start_s, until_s, pairs=False)
     return [
         job_limits(job, table, clock, windows, until_s)
@@ -302,10 +312,7 @@ def _solve(
     until_s: float,
 ) -> _Solved:
     """Build and solve the LP of the module docstring over [start_s, horizon_s)."""
-    periods = list(periods_in_span)
-    if periods and config.budget_period in PERIOD_S:
-        spent = [0.0] * len(periods)
-        _extend_periods(config, periods, spent, periods[0][2], horizon_s + PERIOD_S["day"])
+    periods = _periods_until(config, periods_in_span, horizon_s)
     windows = _windows(config, periods, start_s, horizon_s)
     edges = _boundaries(clock, windows, start_s, horizon_s)
     begin, end = edges[:-1], edges[1:]
@@ -495,10 +502,10 @@ def _stretches(
     windows: list[tuple[float, float, float]],
     release: float,
     until_s: float,
-) -> list[tuple[float, float, float]]:
+) -> list[Stretch]:
     """(from_s, to_s, cap) covering [release, until_s): the most work fraction the job alone can
     do inside each budget window (inf between windows, where only its top rate limits it)."""
-    out: list[tuple[float, float, float]] = []
+    out: list[Stretch] = []
     cursor = release
     for w_from, w_to, kg in sorted(windows):
         if w_to <= cursor or w_from >= until_s:
@@ -546,9 +553,7 @@ def _most_work_fraction(
     return min(free, best) * (1.0 + 1e-9)
 
 
-def _earliest_finish_s(
-    stretches: list[tuple[float, float, float]], top_rate: float, release: float
-) -> float:
+def _earliest_finish_s(stretches: list[Stretch], top_rate: float, release: float) -> float:
     """Earliest time the job can have done all its work (inf: not within the stretches)."""
     done = 0.0
     for s_from, s_to, cap in stretches:
@@ -561,7 +566,7 @@ def _earliest_finish_s(
 
 
 def _done_integral_s(
-    stretches: list[tuple[float, float, float]],
+    stretches: list[Stretch],
     top_rate: float,
     release: float,
     finish_s: float,
@@ -587,7 +592,7 @@ def _done_integral_s(
 
 
 def _least_done_integral_s(
-    stretches: list[tuple[float, float, float]],
+    stretches: list[Stretch],
     top_rate: float,
     release: float,
     earliest: float,

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -191,9 +192,12 @@ class CarbonClock:
         ]
         last_step = steps[-1] if steps else 3600.0
         self.span_s = (series.times[-1] - self.origin).total_seconds() + last_step
-        # Each step's start in seconds from the origin (one wrap).
-        self.step_offsets_s = np.array([(t - self.origin).total_seconds() for t in series.times])
         self._cache: dict[tuple[float, float], float] = {}
+
+    @cached_property
+    def step_offsets_s(self) -> np.ndarray:
+        """Each step's start in seconds from the origin (one wrap), computed on first use."""
+        return np.array([(t - self.origin).total_seconds() for t in self.series.times])
 
     def kg_per_w(self, start_s: float, end_s: float) -> float:
         """kg CO2e per W drawn over trace interval [start_s, end_s) (PUE included)."""

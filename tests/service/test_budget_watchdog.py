@@ -230,41 +230,9 @@ def test_the_loop_charges_new_telemetry_between_ticks_and_wakes_the_tick(
     engine = make_engine(database_url)
     factory = make_session_factory(engine)
     now = datetime.now(UTC)
-    with transaction(factory) as session:
-        job = Job(
-            owner="alice",
-            name="big",
-            workload="resnet50",
-            global_batch_size=256,
-            min_gpus=1,
-            max_gpus=8,
-            state=JobState.RUNNING.value,
-            state_reason="running",
-            created_at=now - timedelta(minutes=5),
-            updated_at=now - timedelta(minutes=5),
-        )
-        session.add(job)
-        session.flush()
-        # 8 GPUs at 3 kW for the last minute: 0.05 kWh, far over a 1 g budget at any intensity.
-        for i in range(12):
-            session.add(
-                TelemetrySample(
-                    sample_id=f"w-{i}",
-                    job_id=job.id,
-                    node_id=None,
-                    at=now - timedelta(seconds=55 - 5 * i),
-                    interval_s=5.0,
-                    step=i,
-                    samples_done=1000 * i,
-                    samples_per_s=200.0,
-                    loss=None,
-                    gpus=8,
-                    layout="dp8",
-                    power_w=3000.0,
-                    energy_kwh=3000.0 * 5 / 3.6e6,
-                    power_source="estimated",
-                )
-            )
+    # 8 GPUs at 3 kW for the last minute: 0.05 kWh, far over a 1 g budget at any intensity.
+    job_id = _running_job(factory, now)
+    _report(factory, job_id, [now - timedelta(seconds=55 - 5 * i) for i in range(12)])
     loop = ControlLoop(_config(limit_kg=0.001), factory, engine)
 
     async def sample_twice() -> tuple[str | None, bool, str | None]:
