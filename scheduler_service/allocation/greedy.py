@@ -16,6 +16,8 @@ Everything per slot is numpy over jobs x options: no Python loop over jobs insid
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from scheduler_service.allocation.problem import AllocationProblem, BudgetMode, PlanArrays
@@ -27,6 +29,40 @@ PRICE_STEPS = 40
 FILL_ROUNDS = 64
 # How much a reserved deadline job's urgency (rate still needed / top rate) raises its worth.
 URGENCY_WEIGHT = 2.0
+
+
+@dataclass(frozen=True)
+class GreedyRound:
+    """One greedy round: option per job and slot (-1 = off) and each slot's GPU price."""
+
+    options: np.ndarray  # [jobs, slots]
+    gpu_price: np.ndarray  # [slots] objective units per GPU for the slot; 0 where GPUs were spare
+
+
+def finish_worth(
+    problem: AllocationProblem, arrays: PlanArrays, rnd: GreedyRound, completion_s: np.ndarray
+) -> np.ndarray:
+    """Per job: what its last samples' GPU time is worth per sample at its finishing slot's price.
+
+    Work done earlier lets a job finish earlier and hand back its GPUs in that slot, so a job
+    finishing inside the horizon gains this on top of the slots it saves (the LP's reduced cost:
+    at the optimum a finishing job's work is worth the finishing slot's GPU price per sample).
+    `completion_s`: finish time per job (nan where it does not finish in the horizon).
+    """
+    finished = np.isfinite(completion_s)
+    last = np.clip(
+        np.ceil(np.where(finished, completion_s, 0.0) / problem.slot_s) - 1,
+        0,
+        problem.num_slots - 1,
+    ).astype(np.int64)
+    rows = np.arange(arrays.num_jobs)
+    k = rnd.options[rows, last]
+    on = finished & (k >= 0)
+    kk = np.maximum(k, 0)
+    per_sample = (
+        rnd.gpu_price[last] * arrays.gpus[rows, kk] / (arrays.throughput[rows, kk] * problem.slot_s)
+    )
+    return np.where(on, per_sample, 0.0)
 
 
 def effective_deadlines(
@@ -170,7 +206,8 @@ def greedy_plan(
     finish_slots: np.ndarray | None = None,
     reserved: np.ndarray | None = None,
     chase: bool = False,
-) -> np.ndarray:
+    finish_worth: np.ndarray | None = None,
+) -> GreedyRound:
     """Option index per job and slot (-1 = off) from reservations + per-slot GPU pricing.
 
     `protect`: jobs whose deadline should be reserved (those that can meet it alone).
@@ -181,6 +218,8 @@ def greedy_plan(
     `reserved`: a `best_reservation` to reuse across rounds (computed when None).
     `chase`: deadline jobs that can meet their deadline alone but got no reservation are valued
     at the miss weight per unit of the work their deadline needs, so spare GPUs go to them first.
+    `finish_worth`: per job, extra worth per sample of finishing sooner (with `finish_slots`;
+    see `finish_worth`).
     """
     num_jobs, num_slots = arrays.num_jobs, problem.num_slots
     slot_s = problem.slot_s
@@ -214,6 +253,7 @@ def greedy_plan(
         else prefer.astype(np.int64)
     )
     plan = np.full((num_jobs, num_slots), -1, dtype=np.int64)
+    gpu_price = np.zeros(num_slots)
     k_idx = np.arange(arrays.num_options)[None, :]
     reserve_kg = budget_reserve(problem, state)
     chase_weight = None
@@ -230,6 +270,8 @@ def greedy_plan(
         else:
             # Work done now instead of at the job's expected finish saves the slots between.
             worth = value_per_sample * slot_s * np.maximum(finish_slots - t, 1.0)
+            if finish_worth is not None:
+                worth = worth + finish_worth
         # A reserved deadline job must do its work before its deadline anyway, mostly at high
         # counts that earn little per GPU, so priced like the others it waits until its floors
         # crowd everyone out near the deadlines. Its work is worth more the larger the share of
@@ -281,6 +323,7 @@ def greedy_plan(
                 else:
                     hi = mid
             choice = _pick(masked, gpus, off_score, hi)
+            gpu_price[t] = hi
         budget = state.slot_budget_kg(t, None if reserve_kg is None else reserve_kg[:, t])
         if _used(choice, gpus) > cap or (
             state.periods
@@ -300,7 +343,7 @@ def greedy_plan(
         state.charge(t, float(watts.sum() * state.kg_per_w[t]))
         done = np.minimum(done + rate * slot_s, arrays.remaining)
         prev = np.where(active, choice, -1)
-    return plan
+    return GreedyRound(plan, gpu_price)
 
 
 def _pick(masked: np.ndarray, gpus: np.ndarray, off_score: np.ndarray, price: float) -> np.ndarray:
