@@ -205,6 +205,10 @@ class ControlLoop:
                 log.info("a job changed during the tick; planning again")
 
     def _tick_failed(self, state: RetryCallState) -> None:
+        # Re-arm the watchdog: else a woken tick that failed before re-planning would keep it
+        # quiet about the plan still in force while the budget runs on. No lock: a check racing
+        # this only wakes the tick one check later.
+        self._woken_for = None
         error = state.outcome.exception() if state.outcome is not None else None
         log.error(
             "control-loop tick failed (%d in a row); retrying in %.1f s, or at once when woken",

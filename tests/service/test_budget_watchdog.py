@@ -1,6 +1,6 @@
 """The budget watchdog: measured spend between ticks wakes the planner when a hard budget is at risk.
 
-Also how the loop ticks when woken, and when a tick fails (retried after a backoff).
+Also how the loop ticks when woken, and when a tick fails (retried after a backoff, watchdog re-armed).
 """
 
 from __future__ import annotations
@@ -454,5 +454,53 @@ def test_a_failed_tick_is_retried_after_a_backoff_not_a_whole_slot(
             stored = session.scalar(select(func.count(CarbonForecastRecord.id)))
         assert stored == 2
         assert loop._spend_expectation is not None
+    finally:
+        engine.dispose()
+
+
+def test_a_failed_woken_tick_lets_the_watchdog_wake_it_again(
+    database_url: str,  # noqa: F811 (fixture)
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    now = datetime.now(UTC)
+    job_id = _running_job(factory, now)
+    ends = [now - timedelta(seconds=55 - 5 * i) for i in range(12)]
+    # The backoff is a whole slot: only the watchdog can bring the next tick within _until.
+    config = _config(limit_kg=0.001, tick_retry_initial_s=300)
+    carbon = _FailingCarbon(config, failures=0)
+    loop = ControlLoop(config, factory, engine, carbon=carbon)
+
+    async def run() -> tuple[str | None, str | None]:
+        loop._loop = asyncio.get_running_loop()
+        ticking = asyncio.create_task(loop._tick_forever())
+        try:
+            await _until(lambda: loop.ticks == 1)  # a plan made with nothing spent yet
+            # 8 GPUs at 3 kW for half a minute: far over the 1 g budget. The watchdog wakes the
+            # tick, and that tick fails (set before it runs: the wake is only scheduled yet).
+            _report(factory, job_id, ends[:6])
+            first = await loop.sample_carbon_once(60.0)
+            carbon.failures_left = 1
+            await _until(lambda: len(_tick_failures(caplog)) == 1)
+            # The jobs spend on and the plan in force is still the one it woke the tick for.
+            _report(factory, job_id, ends[6:])
+            second = await loop.sample_carbon_once(60.0)
+            assert second is not None, "the watchdog stayed quiet after the failed tick"
+            await _until(lambda: loop.ticks == 2)
+            return first, second
+        finally:
+            await loop.stop()
+            await ticking
+
+    try:
+        first, second = asyncio.run(run())
+        assert first is not None and "is spent" in first
+        assert second is not None and "is spent" in second
+        assert loop.budget_wakes == 2
+        assert _retry_delays_s(caplog) == pytest.approx([300.0])
+        # The tick the second wake started planned with the overspend seen.
+        assert loop._spend_expectation is not None
+        assert loop._spend_expectation.spent_at_plan_kg > 0.001
     finally:
         engine.dispose()
