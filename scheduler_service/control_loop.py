@@ -13,6 +13,7 @@ from datetime import datetime
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from energy_model.carbon.forecast import CarbonForecast
 from energy_model.carbon.resilient import ResilientCarbonSource
@@ -169,6 +170,25 @@ class ControlLoop:
 
     async def _tick_forever(self) -> None:
         while not self._stopping:
+            # A fresh AsyncRetrying each slot: the backoff starts over after a tick that worked.
+            async for attempt in self._tick_retrying():
+                with attempt:
+                    await self._tick_if_leader()
+            await self._sleep_or_wake(self.config.planner.slot_s)
+
+    def _tick_retrying(self) -> AsyncRetrying:
+        planner = self.config.planner
+        return AsyncRetrying(
+            # Cancellation is no Exception: it ends the loop instead of being retried.
+            retry=retry_if_exception_type(Exception),
+            wait=wait_exponential(multiplier=planner.tick_retry_initial_s, max=planner.slot_s),
+            # A wake (a job submitted, the budget watchdog) cuts the backoff short; so does stop().
+            sleep=self._sleep_or_wake,
+            before_sleep=self._tick_failed,
+        )
+
+    async def _tick_if_leader(self) -> None:
+        while not self._stopping:
             # Cleared before the tick, not after: a wake that arrives while a tick runs (a job
             # submitted, the budget watchdog) must start the next tick, not wait a whole slot.
             self.wake_event.clear()
@@ -179,16 +199,27 @@ class ControlLoop:
                     await self.tick()
                 else:
                     self.leader_since = None
-            except asyncio.CancelledError:
-                raise
+                return
             except StaleDataError:
                 # A job changed (telemetry, a cancel) while we planned: plan again at once.
                 log.info("a job changed during the tick; planning again")
-                continue
-            except Exception:
-                log.exception("control-loop tick failed; retrying next slot")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake_event.wait(), timeout=self.config.planner.slot_s)
+
+    def _tick_failed(self, state: RetryCallState) -> None:
+        # Re-arm the watchdog: else a woken tick that failed before re-planning would keep it
+        # quiet about the plan still in force while the budget runs on. No lock: a check racing
+        # this only wakes the tick one check later.
+        self._woken_for = None
+        error = state.outcome.exception() if state.outcome is not None else None
+        log.error(
+            "control-loop tick failed (%d in a row); retrying in %.1f s, or at once when woken",
+            state.attempt_number,
+            state.upcoming_sleep,
+            exc_info=error,
+        )
+
+    async def _sleep_or_wake(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake_event.wait(), timeout=timeout_s)
 
     async def stop(self) -> None:
         """Stop ticking and release the lock and connections."""

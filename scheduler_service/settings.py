@@ -88,6 +88,9 @@ class PlannerConfig(BaseModel):
     # last tick measured took less: it wakes the tick this much (plus a check interval and a
     # telemetry report) before the spend would reach the hard budget.
     tick_latency_floor_s: Annotated[float, Field(ge=0, le=600)] = 2.0
+    # A failed tick (a database error, say) is tried again after this many seconds, twice as
+    # long after each further failure in a row, at most slot_s; a wake still ticks at once.
+    tick_retry_initial_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     # The allocation policy the control loop and admission both use (names of POLICIES).
     policy: PolicyName = "greenflow"
     seed: int = 0

@@ -1,8 +1,14 @@
-"""The budget watchdog: measured spend between ticks wakes the planner when a hard budget is at risk."""
+"""The budget watchdog: measured spend between ticks wakes the planner when a hard budget is at risk.
+
+Also how the loop ticks when woken, and when a tick fails (retried after a backoff, watchdog re-armed).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -10,13 +16,16 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from energy_model.carbon.forecast import CarbonForecast
+from energy_model.carbon.resilient import ResilientCarbonSource
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import AllocationProblem, BudgetPeriod, JobSpec
 from scheduler_service.budget.periods import period_containing
 from scheduler_service.budget.watchdog import SpendExpectation, replan_reason, watch_lead_s
+from scheduler_service.carbon.service import make_carbon_source
 from scheduler_service.control_loop import ControlLoop
 from scheduler_service.db import migrate
-from scheduler_service.db.models import Job, LedgerEntry, TelemetrySample
+from scheduler_service.db.models import CarbonForecastRecord, Job, LedgerEntry, TelemetrySample
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.jobs.states import JobState
 from scheduler_service.ledger import PeriodStatus, current_period
@@ -169,13 +178,18 @@ def test_the_plan_an_early_wake_gets_stops_or_shrinks_the_jobs_within_what_is_le
     assert sum(plan.emissions_kg_per_slot) <= left_kg * (1 + 1e-6)
 
 
-def _config(limit_kg: float) -> GreenflowConfig:
+def _config(limit_kg: float, tick_retry_initial_s: float = 5.0) -> GreenflowConfig:
     return GreenflowConfig.model_validate(
         {
             "budget": {"period": "day", "limit_kg_co2e": limit_kg, "enforcement": "hard"},
             "carbon": {"provider": "synthetic", "conservative_intensity_g_per_kwh": 500},
             # The watchdog looks 60 + 5 + 2 = 67 s ahead (check, telemetry report, tick).
-            "planner": {"slot_s": 300, "budget_check_interval_s": 60, "tick_latency_floor_s": 2},
+            "planner": {
+                "slot_s": 300,
+                "budget_check_interval_s": 60,
+                "tick_latency_floor_s": 2,
+                "tick_retry_initial_s": tick_retry_initial_s,
+            },
             "cluster": {"agent_telemetry_interval_s": 5},
         }
     )
@@ -347,4 +361,146 @@ def test_the_loop_wakes_the_tick_before_the_budget_is_spent(
         assert spent_kg() == pytest.approx(0.0525)
     finally:
         asyncio.run(loop.carbon.aclose())
+        engine.dispose()
+
+
+class _FailingCarbon(ResilientCarbonSource):
+    """The configured carbon source, except that its next `failures_left` forecasts raise."""
+
+    def __init__(self, config: GreenflowConfig, failures: int) -> None:
+        real = make_carbon_source(config.carbon)
+        super().__init__(
+            real.provider, real.conservative_intensity_g_per_kwh, real.max_forecast_age_s
+        )
+        self.failures_left = failures
+        self.calls_at_s: list[float] = []
+
+    async def get_forecast(self, horizon_s: int) -> CarbonForecast:
+        """Raise while failures are left, else the real forecast."""
+        self.calls_at_s.append(time.monotonic())
+        if self.failures_left > 0:
+            self.failures_left -= 1
+            # An error the failure policy has no type for (not a CarbonProviderError): it reaches
+            # the tick instead of falling back to the cached or conservative forecast.
+            raise ValueError("malformed provider answer")
+        return await super().get_forecast(horizon_s)
+
+
+def _tick_failures(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """What the loop logged for each failed tick, in order."""
+    return [
+        record
+        for record in caplog.records
+        if record.name == "greenflow.loop"
+        and str(record.msg).startswith("control-loop tick failed")
+    ]
+
+
+def _retry_delays_s(caplog: pytest.LogCaptureFixture) -> list[float]:
+    """The backoff the loop logged for each failed tick, in order."""
+    delays_s: list[float] = []
+    for record in _tick_failures(caplog):
+        assert isinstance(record.args, tuple)  # (failures in a row, delay)
+        delay_s = record.args[1]
+        assert isinstance(delay_s, float)
+        delays_s.append(delay_s)
+    return delays_s
+
+
+async def _until(done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Let the loop run until `done()` holds; TimeoutError after `timeout_s` (a tenth of a slot)."""
+    async with asyncio.timeout(timeout_s):
+        while not done():
+            await asyncio.sleep(0.01)
+
+
+def test_a_failed_tick_is_retried_after_a_backoff_not_a_whole_slot(
+    database_url: str,  # noqa: F811 (fixture)
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    config = _config(limit_kg=1.0, tick_retry_initial_s=0.2)
+    # The first two ticks fail; the slot is 300 s, so only the backoff can retry within _until.
+    carbon = _FailingCarbon(config, failures=2)
+    loop = ControlLoop(config, factory, engine, carbon=carbon)
+
+    async def run() -> tuple[list[float], list[float]]:
+        loop._loop = asyncio.get_running_loop()
+        ticking = asyncio.create_task(loop._tick_forever())
+        try:
+            await _until(lambda: loop.ticks == 1)
+            first_delays_s = _retry_delays_s(caplog)
+            # After a tick that worked, the backoff starts over; a wake still ticks at once.
+            carbon.failures_left = 1
+            loop.wake()
+            await _until(lambda: loop.ticks == 2)
+            return first_delays_s, _retry_delays_s(caplog)
+        finally:
+            await loop.stop()
+            await ticking
+
+    try:
+        first_delays_s, delays_s = asyncio.run(run())
+        assert first_delays_s == pytest.approx([0.2, 0.4])
+        assert delays_s == pytest.approx([0.2, 0.4, 0.2])
+        # Nothing woke the first retries: each waited its backoff out (1 ms: timer resolution).
+        calls_s = carbon.calls_at_s
+        assert len(calls_s) == 5
+        assert calls_s[1] - calls_s[0] >= 0.2 - 1e-3 and calls_s[2] - calls_s[1] >= 0.4 - 1e-3
+        # The retries then planned as usual: a forecast stored per tick that worked, none for
+        # the three that failed, and the spend expectation the watchdog judges by.
+        with transaction(factory) as session:
+            stored = session.scalar(select(func.count(CarbonForecastRecord.id)))
+        assert stored == 2
+        assert loop._spend_expectation is not None
+    finally:
+        engine.dispose()
+
+
+def test_a_failed_woken_tick_lets_the_watchdog_wake_it_again(
+    database_url: str,  # noqa: F811 (fixture)
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    now = datetime.now(UTC)
+    job_id = _running_job(factory, now)
+    ends = [now - timedelta(seconds=55 - 5 * i) for i in range(12)]
+    # The backoff is a whole slot: only the watchdog can bring the next tick within _until.
+    config = _config(limit_kg=0.001, tick_retry_initial_s=300)
+    carbon = _FailingCarbon(config, failures=0)
+    loop = ControlLoop(config, factory, engine, carbon=carbon)
+
+    async def run() -> tuple[str | None, str | None]:
+        loop._loop = asyncio.get_running_loop()
+        ticking = asyncio.create_task(loop._tick_forever())
+        try:
+            await _until(lambda: loop.ticks == 1)  # a plan made with nothing spent yet
+            # 8 GPUs at 3 kW for half a minute: far over the 1 g budget. The watchdog wakes the
+            # tick, and that tick fails (set before it runs: the wake is only scheduled yet).
+            _report(factory, job_id, ends[:6])
+            first = await loop.sample_carbon_once(60.0)
+            carbon.failures_left = 1
+            await _until(lambda: len(_tick_failures(caplog)) == 1)
+            # The jobs spend on and the plan in force is still the one it woke the tick for.
+            _report(factory, job_id, ends[6:])
+            second = await loop.sample_carbon_once(60.0)
+            assert second is not None, "the watchdog stayed quiet after the failed tick"
+            await _until(lambda: loop.ticks == 2)
+            return first, second
+        finally:
+            await loop.stop()
+            await ticking
+
+    try:
+        first, second = asyncio.run(run())
+        assert first is not None and "is spent" in first
+        assert second is not None and "is spent" in second
+        assert loop.budget_wakes == 2
+        assert _retry_delays_s(caplog) == pytest.approx([300.0])
+        # The tick the second wake started planned with the overspend seen.
+        assert loop._spend_expectation is not None
+        assert loop._spend_expectation.spent_at_plan_kg > 0.001
+    finally:
         engine.dispose()
