@@ -69,6 +69,15 @@ class _Rows:
         self.cols.append(cols)
         self.vals.append(np.broadcast_to(np.asarray(vals, dtype=float), rows.shape).ravel().copy())
 
+    def matrix(self, n_vars: int) -> sp.csr_matrix:
+        """The collected triplets as one CSR matrix (repeated entries summed)."""
+        out = sp.csr_matrix(
+            (np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
+            shape=(self.count, n_vars),
+        )
+        out.sum_duplicates()
+        return out
+
 
 def build_model(
     problem: AllocationProblem, arrays: PlanArrays, *, with_changes: bool
@@ -224,11 +233,7 @@ def build_model(
         )
         r.add(rows[:, 1:], d0 + jj1 * num_slots + ts1 - 1, 1.0)
 
-    matrix = sp.csr_matrix(
-        (np.concatenate(r.vals), (np.concatenate(r.rows), np.concatenate(r.cols))),
-        shape=(r.count, n_vars),
-    )
-    matrix.sum_duplicates()
+    matrix = r.matrix(n_vars)
     return BuiltModel(
         lower=lower,
         upper=upper,
@@ -376,11 +381,7 @@ def build_compact_lp(problem: AllocationProblem, arrays: PlanArrays) -> CompactL
             start = r.block(len(periods), -INF, np.maximum(budgets, 0.0))
             for n, (_, share) in enumerate(periods):
                 r.add(np.full(n_x, start + n), xcol, (x_kg * share[None, :]).ravel())
-    matrix = sp.csr_matrix(
-        (np.concatenate(r.vals), (np.concatenate(r.rows), np.concatenate(r.cols))),
-        shape=(r.count, n_vars),
-    )
-    matrix.sum_duplicates()
+    matrix = r.matrix(n_vars)
     return CompactLp(
         lower=lower,
         upper=upper,
