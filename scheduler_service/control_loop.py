@@ -41,6 +41,9 @@ from scheduler_service.settings import GreenflowConfig
 log = logging.getLogger("greenflow.loop")
 
 PLANS_KEPT = 500
+# Conflicts in a row (a job changed while the tick planned) that are planned again at once; the
+# next one fails the tick, so a job that changes continuously meets the backoff, not a spin.
+STALE_REPLANS_AT_ONCE = 3
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,7 @@ class ControlLoop:
         )
 
     async def _tick_if_leader(self) -> None:
+        conflicts = 0
         while not self._stopping:
             # Cleared before the tick, not after: a wake that arrives while a tick runs (a job
             # submitted, the budget watchdog) must start the next tick, not wait a whole slot.
@@ -208,8 +212,16 @@ class ControlLoop:
                     self.leader_since = None
                 return
             except StaleDataError:
-                # A job changed (telemetry, a cancel) while we planned: plan again at once.
+                # A job changed (telemetry, a cancel) while we planned: plan again at once, a few
+                # times; then fail the tick (re-raise) so the backoff spaces the next attempts.
+                conflicts += 1
                 self.stale_replans += 1
+                if conflicts > STALE_REPLANS_AT_ONCE:
+                    log.warning(
+                        "a job changed during %d plans in a row; backing off before planning again",
+                        conflicts,
+                    )
+                    raise
                 log.info("a job changed during the tick; planning again")
 
     def _tick_failed(self, state: RetryCallState) -> None:

@@ -1,4 +1,5 @@
-"""The control loop's health: its metrics on the app's /metrics."""
+"""The control loop's health: its metrics on the app's /metrics, and the bound on re-plans when jobs
+keep changing under a tick (StaleDataError)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,31 @@ import asyncio
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import event, update
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
 
 from scheduler_service.app import create_app
-from scheduler_service.control_loop import ControlLoop
+from scheduler_service.control_loop import STALE_REPLANS_AT_ONCE, ControlLoop
+from scheduler_service.db.models import Job
+from scheduler_service.db.session import make_engine, make_session_factory, transaction
+from scheduler_service.jobs.states import JobState
 from scheduler_service.metrics import PLAN_STATUSES
 from scheduler_service.settings import Settings
 from tests.api.conftest import Tokens, auth, database_url, postgres_server, tokens  # noqa: F401
 from tests.api.test_jobs_api import register_node, spec
-from tests.service.test_budget_watchdog import _config, _FailingCarbon
+from tests.service.test_budget_watchdog import (
+    _config,
+    _FailingCarbon,
+    _retry_delays_s,
+    _tick_failures,
+    _until,
+)
 
 LOOP = "greenflow_control_loop"
 
@@ -114,3 +128,87 @@ def test_metrics_leave_out_the_loop_where_it_does_not_run(
         assert not [name for name in samples if name.startswith(LOOP)]
     finally:
         app.state.engine.dispose()
+
+
+def _queued_job(factory: sessionmaker[Session]) -> int:
+    """A queued job with work left, as submission leaves it."""
+    with transaction(factory) as session:
+        job = Job(
+            owner="alice",
+            name="queued",
+            workload="resnet50",
+            global_batch_size=256,
+            total_samples=1_000_000,
+            min_gpus=1,
+            max_gpus=8,
+            state=JobState.QUEUED.value,
+            state_reason="submitted",
+        )
+        session.add(job)
+        session.flush()
+        return job.id
+
+
+def test_a_job_that_keeps_changing_fails_the_tick_after_a_few_immediate_replans(
+    database_url: str,  # noqa: F811 (fixture)
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    # A queued job and no node: every plan rewrites its state_reason ("needs ... GPUs").
+    job_id = _queued_job(factory)
+    # The backoff is a whole slot: only a wake can bring a tick after the first failure.
+    config = _config(limit_kg=1.0, tick_retry_initial_s=300)
+    loop = ControlLoop(config, factory, engine)
+    conflicts: list[int] = []
+    changing = True
+
+    def another_writer(session: Session, _context: Any, _instances: Any) -> None:
+        # Just before the loop writes a job, another writer commits a change to it: the
+        # loop's UPDATE ... WHERE version = <read> then matches no row (StaleDataError).
+        # Same connection, so it works on SQLite too, where a second writer would block.
+        if not changing:
+            return
+        for job in [o for o in session.dirty if isinstance(o, Job)]:
+            session.connection().execute(
+                update(Job).where(Job.id == job.id).values(version=Job.version + 1)
+            )
+            conflicts.append(job.id)
+
+    event.listen(factory, "before_flush", another_writer)
+
+    async def run() -> tuple[int, int]:
+        nonlocal changing
+        loop._loop = asyncio.get_running_loop()
+        ticking = asyncio.create_task(loop._tick_forever())
+        try:
+            # Before the bound, the loop planned again at once forever and never failed a tick.
+            await _until(lambda: len(_tick_failures(caplog)) == 1)
+            at_failure = len(conflicts)
+            # The job stops changing; a wake cuts the backoff short and the tick works.
+            changing = False
+            loop.wake()
+            await _until(lambda: loop.ticks == 1)
+            return at_failure, len(conflicts)
+        finally:
+            await loop.stop()
+            await ticking
+
+    try:
+        at_failure, in_all = asyncio.run(run())
+        # The first conflict and the next ones up to the bound re-planned at once; one more
+        # failed the tick, which then waited for the backoff (or a wake), not planning meanwhile.
+        assert at_failure == in_all == STALE_REPLANS_AT_ONCE + 1
+        assert set(conflicts) == {job_id}
+        assert loop.stale_replans == STALE_REPLANS_AT_ONCE + 1
+        assert loop.tick_failures == 1
+        assert _retry_delays_s(caplog) == pytest.approx([300.0])
+        failure = _tick_failures(caplog)[0]
+        assert failure.exc_info is not None and isinstance(failure.exc_info[1], StaleDataError)
+        assert any("backing off" in r.getMessage() for r in caplog.records)
+        # The tick after the wake committed its plan: the job's reason is the planner's.
+        with transaction(factory) as session:
+            job = session.get(Job, job_id)
+            assert job is not None and "GPUs" in (job.state_reason or "")
+    finally:
+        engine.dispose()
