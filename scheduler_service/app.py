@@ -81,7 +81,7 @@ def create_app(settings: Settings, config: GreenflowConfig) -> FastAPI:
     app.state.agent_timing = AgentTiming(
         config.cluster.agent_heartbeat_interval_s, config.cluster.agent_telemetry_interval_s
     )
-    registry, requests_total = make_registry(app.state.session_factory)
+    registry, requests_total = make_registry(app.state.session_factory, loop)
     app.state.metrics_registry = registry
 
     @app.middleware("http")

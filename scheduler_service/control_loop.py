@@ -41,6 +41,9 @@ from scheduler_service.settings import GreenflowConfig
 log = logging.getLogger("greenflow.loop")
 
 PLANS_KEPT = 500
+# Conflicts in a row (a job changed while the tick planned) that are planned again at once; the
+# next one fails the tick, so a job that changes continuously meets the backoff, not a spin.
+STALE_REPLANS_AT_ONCE = 3
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,10 @@ class TickReport:
     acked: int
     failed: int
     forecast_degraded: bool
-    plan_status: str | None
+    plan_status: str | None  # None: no job to plan
+    plan_gap: float | None = None  # relative gap to the solver's bound (None: none known)
+    plan_solve_s: float | None = None
+    finished_at: datetime | None = None
 
 
 class ControlLoop:
@@ -79,7 +85,11 @@ class ControlLoop:
         self.wake_event = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        # Counters and the last tick, read by metrics.ControlLoopCollector at each scrape.
         self.ticks = 0
+        self.tick_failures = 0
+        self.stale_replans = 0
+        self.last_report: TickReport | None = None
         # Charging telemetry happens in the tick and in the budget watchdog (worker threads):
         # one at a time, or both would charge the same samples and one commit would fail.
         self._ledger_lock = threading.Lock()
@@ -188,6 +198,7 @@ class ControlLoop:
         )
 
     async def _tick_if_leader(self) -> None:
+        conflicts = 0
         while not self._stopping:
             # Cleared before the tick, not after: a wake that arrives while a tick runs (a job
             # submitted, the budget watchdog) must start the next tick, not wait a whole slot.
@@ -201,7 +212,16 @@ class ControlLoop:
                     self.leader_since = None
                 return
             except StaleDataError:
-                # A job changed (telemetry, a cancel) while we planned: plan again at once.
+                # A job changed (telemetry, a cancel) while we planned: plan again at once, a few
+                # times; then fail the tick (re-raise) so the backoff spaces the next attempts.
+                conflicts += 1
+                self.stale_replans += 1
+                if conflicts > STALE_REPLANS_AT_ONCE:
+                    log.warning(
+                        "a job changed during %d plans in a row; backing off before planning again",
+                        conflicts,
+                    )
+                    raise
                 log.info("a job changed during the tick; planning again")
 
     def _tick_failed(self, state: RetryCallState) -> None:
@@ -209,6 +229,7 @@ class ControlLoop:
         # quiet about the plan still in force while the budget runs on. No lock: a check racing
         # this only wakes the tick one check later.
         self._woken_for = None
+        self.tick_failures += 1
         error = state.outcome.exception() if state.outcome is not None else None
         log.error(
             "control-loop tick failed (%d in a row); retrying in %.1f s, or at once when woken",
@@ -234,7 +255,7 @@ class ControlLoop:
         started_s = time.monotonic()
         now = utcnow()
         forecast = await self.carbon.get_forecast(self.config.planner.horizon_s)
-        planned, status = await asyncio.to_thread(self._plan, forecast, now)
+        planned, plan = await asyncio.to_thread(self._plan, forecast, now)
         deliveries = await asyncio.to_thread(self._deliveries)
         acked = failed = 0
         # Stops and shrinks first (they free slots), then the rest; within a group, in parallel:
@@ -245,11 +266,25 @@ class ControlLoop:
             )
             acked += sum(results)
             failed += len(results) - sum(results)
-        self.ticks += 1
         self.last_tick_s = time.monotonic() - started_s
-        return TickReport(now, planned, len(deliveries), acked, failed, forecast.degraded, status)
+        report = TickReport(
+            now,
+            planned,
+            len(deliveries),
+            acked,
+            failed,
+            forecast.degraded,
+            plan.status if plan is not None else None,
+            plan.gap if plan is not None else None,
+            plan.solve_s if plan is not None else None,
+            finished_at=utcnow(),
+        )
+        # One assignment: a scrape (another thread) sees this tick's report whole or not at all.
+        self.last_report = report
+        self.ticks += 1
+        return report
 
-    def _plan(self, forecast: CarbonForecast, now: datetime) -> tuple[int, str | None]:
+    def _plan(self, forecast: CarbonForecast, now: datetime) -> tuple[int, AllocationPlan | None]:
         with self._ledger_lock, transaction(self.session_factory) as session:
             record_forecast(session, forecast)
             timeout_s = self.config.cluster.heartbeat_timeout_s
@@ -287,7 +322,7 @@ class ControlLoop:
             changed = dispatch.decide(session, planning, plan, now)
             if changed:
                 log.info("plan %s: %d allocation change(s)", plan.status, changed)
-            return len(planning.problem.jobs), plan.status
+            return len(planning.problem.jobs), plan
 
     def _deliveries(self) -> list[dispatch.Delivery]:
         with transaction(self.session_factory) as session:
