@@ -299,30 +299,35 @@ class ControlLoop:
                 job = jobs.get(job_id)
                 if job is not None and job.state_reason != reason:
                     job.state_reason = reason
+            plan: AllocationPlan | None = None
             if not planning.problem.jobs:
                 # Nothing planned, nothing expected: the watchdog's once-per-plan rules then
                 # hold for this empty plan too, instead of waking a tick at every check.
-                self._spend_expectation = SpendExpectation.of_nothing(
+                expectation = SpendExpectation.of_nothing(
                     now, self.config.planner.slot_s, current_period(session, self.config, now)
                 )
-                return 0, None
-            plan = self.policy(
-                planning.problem,
-                previous=self.previous,
-                time_limit_s=self.config.planner.solver_time_limit_s,
-                seed=self.config.planner.seed,
-            )
+            else:
+                plan = self.policy(
+                    planning.problem,
+                    previous=self.previous,
+                    time_limit_s=self.config.planner.solver_time_limit_s,
+                    seed=self.config.planner.seed,
+                )
+                expectation = SpendExpectation.of_plan(
+                    plan, current_period(session, self.config, now)
+                )
+                repo = AllocationRepository(session)
+                repo.add_plan(plan_row(plan, planning.problem, forecast.degraded))
+                repo.prune_plans(PLANS_KEPT)
+                changed = dispatch.decide(session, planning, plan, now)
+                if changed:
+                    log.info("plan %s: %d allocation change(s)", plan.status, changed)
+        # Only once the transaction committed: a tick whose commit fails (a job changed while it
+        # planned) leaves the plan in force, and the watchdog's expectation of it, as they were.
+        self._spend_expectation = expectation
+        if plan is not None:
             self.previous = plan
-            self._spend_expectation = SpendExpectation.of_plan(
-                plan, current_period(session, self.config, now)
-            )
-            repo = AllocationRepository(session)
-            repo.add_plan(plan_row(plan, planning.problem, forecast.degraded))
-            repo.prune_plans(PLANS_KEPT)
-            changed = dispatch.decide(session, planning, plan, now)
-            if changed:
-                log.info("plan %s: %d allocation change(s)", plan.status, changed)
-            return len(planning.problem.jobs), plan
+        return len(planning.problem.jobs), plan
 
     def _deliveries(self) -> list[dispatch.Delivery]:
         with transaction(self.session_factory) as session:

@@ -18,7 +18,8 @@ from sqlalchemy.orm.exc import StaleDataError
 
 from scheduler_service.app import create_app
 from scheduler_service.control_loop import STALE_REPLANS_AT_ONCE, ControlLoop
-from scheduler_service.db.models import Job
+from scheduler_service.db.base import utcnow
+from scheduler_service.db.models import GpuSlot, Job, Node, Plan
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.jobs.states import JobState
 from scheduler_service.metrics import PLAN_STATUSES
@@ -210,5 +211,54 @@ def test_a_job_that_keeps_changing_fails_the_tick_after_a_few_immediate_replans(
         with transaction(factory) as session:
             job = session.get(Job, job_id)
             assert job is not None and "GPUs" in (job.state_reason or "")
+    finally:
+        engine.dispose()
+
+
+def test_a_plan_whose_commit_fails_is_not_taken_for_the_plan_in_force(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    with transaction(factory) as session:
+        node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=utcnow())
+        session.add(node)
+        session.flush()
+        for index in range(4):
+            session.add(GpuSlot(node_id=node.id, index=index))
+    _queued_job(factory)
+    loop = ControlLoop(_config(limit_kg=1.0), factory, engine)
+    failing = True
+
+    def another_writer(session: Session, _context: Any, _instances: Any) -> None:
+        # The planning transaction fails after its plan is made and staged, as when another
+        # writer changed a row it updates (no versioned row is updated there on this setup, so
+        # the conflict is raised as the ORM would raise it, at the next flush).
+        if failing and session.info.get("planned"):
+            raise StaleDataError("another writer changed a row this tick updates")
+        if any(isinstance(o, Plan) for o in session.new):
+            session.info["planned"] = True
+
+    event.listen(factory, "before_flush", another_writer)
+
+    async def run() -> tuple[object, object]:
+        nonlocal failing
+        try:
+            with pytest.raises(StaleDataError):
+                await loop.tick()
+            in_force = (loop.previous, loop._spend_expectation)
+            failing = False
+            await loop.tick()
+            return in_force
+        finally:
+            await loop.agents.aclose()
+
+    try:
+        previous, expectation = asyncio.run(run())
+        # Nothing was stored, so nothing new is in force: no warm start from the unstored plan,
+        # no spend expectation of it for the watchdog.
+        assert previous is None and expectation is None
+        # The tick that committed took its plan for the one in force.
+        assert loop.previous is not None and loop._spend_expectation is not None
     finally:
         engine.dispose()
