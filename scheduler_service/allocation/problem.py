@@ -260,6 +260,9 @@ class AllocationPlan:
     solve_s: float
     policy: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # The heuristic's capacity price per slot (objective units per GPU for the slot; 0 where GPUs
+    # were spare; empty when not known): the next tick's warm start values finishing with it.
+    gpu_price_per_slot: tuple[float, ...] = ()
 
     @property
     def energy_kwh(self) -> float:
@@ -660,6 +663,7 @@ def make_plan(
     bound: float | None = None,
     notes: tuple[str, ...] = (),
     evaluation: PlanEvaluation | None = None,
+    gpu_price_per_slot: tuple[float, ...] = (),
 ) -> AllocationPlan:
     """Wrap a GPU matrix into an AllocationPlan with all projected figures filled in.
 
@@ -685,4 +689,5 @@ def make_plan(
         solve_s=solve_s,
         policy=policy,
         notes=notes,
+        gpu_price_per_slot=gpu_price_per_slot,
     )

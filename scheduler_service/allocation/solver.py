@@ -486,6 +486,40 @@ def _previous_finish(
     return _finish_slots(problem, arrays, completion)
 
 
+@dataclass(frozen=True)
+class GreedyRun:
+    """The greedy rounds' plans (each with its evaluation) and the last round's GPU prices."""
+
+    plans: list[tuple[dict[str, tuple[int, ...]], PlanEvaluation]]
+    gpu_price: np.ndarray  # [slots]
+
+
+def _previous_worth(
+    previous: AllocationPlan | None, problem: AllocationProblem, arrays: PlanArrays
+) -> np.ndarray | None:
+    """The previous plan's finish worth per job (`greedy.finish_worth`) at its own GPU prices."""
+    if (
+        previous is None
+        or not previous.gpu_price_per_slot
+        or abs(previous.slot_s - problem.slot_s) > 1e-9
+    ):
+        return None
+    price = previous.gpu_price_per_slot
+    out = np.zeros(arrays.num_jobs)
+    for i, job in enumerate(problem.jobs):
+        finish_s = previous.completion_s.get(job.job_id)
+        counts = previous.gpus.get(job.job_id)
+        if finish_s is None or counts is None or finish_s <= 0:
+            continue
+        last = min(int(np.ceil(finish_s / previous.slot_s)) - 1, len(counts) - 1, len(price) - 1)
+        g = counts[last]
+        if g not in job.allowed_gpus:
+            continue
+        rate = job.throughput_samples_per_s[job.index_of(g)]
+        out[i] = FINISH_WORTH_SHARE * price[last] * g / (rate * problem.slot_s)
+    return out
+
+
 def greedy_candidates(
     problem: AllocationProblem,
     arrays: PlanArrays,
@@ -496,6 +530,23 @@ def greedy_candidates(
     reservation: tuple[np.ndarray, np.ndarray] | None = None,
     chase: bool | None = None,
 ) -> list[tuple[dict[str, tuple[int, ...]], PlanEvaluation]]:
+    """Plans of the reservation + pricing heuristic (greedy.py), `passes` rounds (`greedy_run`)."""
+    return greedy_run(
+        problem, arrays, prefer, finish, passes, reservation=reservation, chase=chase
+    ).plans
+
+
+def greedy_run(
+    problem: AllocationProblem,
+    arrays: PlanArrays,
+    prefer: dict[str, int] | None,
+    finish: np.ndarray | None,
+    passes: int,
+    *,
+    reservation: tuple[np.ndarray, np.ndarray] | None = None,
+    chase: bool | None = None,
+    worth: np.ndarray | None = None,
+) -> GreedyRun:
     """Plans of the reservation + pricing heuristic (greedy.py), `passes` rounds.
 
     Round one values work against the horizon's end (or the warm start's finish times); each
@@ -503,7 +554,8 @@ def greedy_candidates(
     rounds settle instead of oscillating (measured: 5.7 % -> 2.4 % above the LP without
     deadlines on 1,000 jobs x 48 slots). `reservation`: (protect, reserved) from
     `deadline_reservation` (computed when None); `chase`: run the chase round (None: whenever
-    `needs_chase`).
+    `needs_chase`); `worth`: the first round's finish worth (with `finish`, from the previous
+    plan's prices on a warm start; `greedy.finish_worth`).
     """
     protect, reserved = (
         deadline_reservation(problem, arrays) if reservation is None else reservation
@@ -517,7 +569,7 @@ def greedy_candidates(
     if chase is None:
         chase = needs_chase(problem, arrays, protect, reserved)
     rounds = [False] * passes + ([True] if chase else [])
-    worth = None
+    gpu_price = np.zeros(problem.num_slots)
     for chase in rounds:
         rnd = greedy_plan(
             problem,
@@ -536,6 +588,8 @@ def greedy_candidates(
             gpus = trim_after_finish(problem, gpus)
             ev = evaluate_gpus(problem, gpus)
         out.append((gpus, ev))
+        if not chase:  # the chase round's prices carry its miss weights
+            gpu_price = rnd.gpu_price
         fresh = _finish_slots(problem, arrays, ev.completion_s) + 0.5
         finish = fresh if finish is None else 0.5 * finish + 0.5 * fresh
         completion = np.array(
@@ -543,7 +597,7 @@ def greedy_candidates(
         )
         fresh_worth = FINISH_WORTH_SHARE * finish_worth(problem, arrays, rnd, completion)
         worth = fresh_worth if worth is None else 0.5 * worth + 0.5 * fresh_worth
-    return out
+    return GreedyRun(out, gpu_price)
 
 
 def deadline_reservation(
@@ -798,17 +852,18 @@ def solve_with_baselines(
     if warm is not None:
         prefer = {job_id: counts[0] for job_id, counts in warm.items()}
     # (plan, status, evaluation): every candidate is evaluated once.
+    run = greedy_run(
+        problem,
+        arrays,
+        prefer,
+        _previous_finish(previous, problem, arrays),
+        steps.greedy_rounds,
+        reservation=(protect, reserved),
+        chase=steps.chase,
+        worth=_previous_worth(previous, problem, arrays),
+    )
     candidates: list[tuple[dict[str, tuple[int, ...]], str, PlanEvaluation]] = [
-        (g, "heuristic", ev)
-        for g, ev in greedy_candidates(
-            problem,
-            arrays,
-            prefer,
-            _previous_finish(previous, problem, arrays),
-            steps.greedy_rounds,
-            reservation=(protect, reserved),
-            chase=steps.chase,
-        )
+        (g, "heuristic", ev) for g, ev in run.plans
     ]
 
     def add(gpus: dict[str, tuple[int, ...]], status: str = "heuristic") -> None:
@@ -894,6 +949,7 @@ def solve_with_baselines(
         bound=bound,
         notes=notes,
         evaluation=best[2],
+        gpu_price_per_slot=tuple(float(x) for x in run.gpu_price),
     )
     return SolveResult(plan, built)
 

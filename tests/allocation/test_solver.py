@@ -15,11 +15,18 @@ from scheduler_service.allocation.problem import (
     BudgetPeriod,
     InvalidProblem,
     JobSpec,
+    PlanArrays,
     allowed_gpu_counts,
     evaluate_gpus,
     relative_gap,
 )
-from scheduler_service.allocation.solver import admit, shift_previous, solve
+from scheduler_service.allocation.solver import (
+    FINISH_WORTH_SHARE,
+    _previous_worth,
+    admit,
+    shift_previous,
+    solve,
+)
 
 START = datetime(2022, 6, 1, tzinfo=UTC)
 SLOT_S = 3600.0
@@ -208,3 +215,37 @@ def test_missed_reason_says_when_the_budget_binds() -> None:
     assert plan.deadline_met == {"a": False}
     assert "cannot pay for its work" in plan.missed_reasons["a"]
     assert "no GPU-hour overload" in plan.missed_reasons["a"]
+
+
+def test_a_plan_carries_the_capacity_price_its_heuristic_found() -> None:
+    # Three jobs want 12 GPUs of 4 in every slot: capacity binds and GPUs have a price.
+    jobs = (job("a", 6.0), job("b", 6.0), job("c", 6.0))
+    plan = solve(problem(jobs), seed=0, use_lp=False)
+    assert len(plan.gpu_price_per_slot) == 6
+    assert all(price >= 0 for price in plan.gpu_price_per_slot)
+    assert plan.gpu_price_per_slot[0] > 0
+    # On an idle cluster nothing competes for GPUs: every price is 0.
+    idle = solve(problem((job("a", 1.0),), capacity=64), seed=0, use_lp=False)
+    assert idle.gpu_price_per_slot == (0.0,) * 6
+
+
+def test_the_warm_start_values_finishing_at_the_previous_plans_price() -> None:
+    jobs = (job("a", 1.5), job("b", 30.0))
+    first = solve(problem(jobs), seed=0, use_lp=False)
+    finish_s = first.completion_s["a"]
+    assert finish_s is not None
+    last = int(-(-finish_s // SLOT_S)) - 1
+    g = first.gpus["a"][last]
+    rate = jobs[0].throughput_samples_per_s[jobs[0].index_of(g)]
+    arrays = PlanArrays(problem(jobs))
+    worth = _previous_worth(first, problem(jobs), arrays)
+    assert worth is not None
+    # Job a's last samples hold g GPUs of its finishing slot: worth that slot's price per sample.
+    expected = FINISH_WORTH_SHARE * first.gpu_price_per_slot[last] * g / (rate * SLOT_S)
+    assert expected > 0 and worth[0] == pytest.approx(expected)
+    assert worth[1] == 0.0  # job b does not finish inside the horizon
+    # A plan without prices (another policy's) gives no warm worth.
+    assert (
+        _previous_worth(dataclasses.replace(first, gpu_price_per_slot=()), problem(jobs), arrays)
+        is None
+    )
