@@ -146,6 +146,18 @@ def simulate(
             help="ElasticFlow's event handling: one-slot steps, arrivals admitted per batch.",
         ),
     ] = False,
+    elasticflow_overhead: Annotated[
+        bool,
+        typer.Option(
+            "--elasticflow-overhead",
+            help=(
+                "ElasticFlow's per-event overhead: at every event each running job loses 2-68 s"
+                " of progress (its GPU-set cache, restarts every N-th event for N = slot"
+                " seconds), instead of --switch-s per count change (--switch-s then only sets"
+                " what the policies see). Needs --elasticflow-events."
+            ),
+        ),
+    ] = False,
     limit: Annotated[
         int | None, typer.Option("--limit", help="Replay only the first N jobs of the trace.")
     ] = None,
@@ -163,6 +175,12 @@ def simulate(
         )
     if budget_period not in ("day", "week", "run"):
         raise typer.BadParameter("must be day, week or run", param_hint="--budget-period")
+    if elasticflow_overhead and not elasticflow_events:
+        raise typer.BadParameter(
+            "needs --elasticflow-events: ElasticFlow charges its overhead once per merged"
+            " event, and without one-slot steps events are far more frequent",
+            param_hint="--elasticflow-overhead",
+        )
     nodes, per_node = parse_cluster(cluster)
     profile_dir = profiles or DEFAULT_PROFILES
     if profiles is None and not DEFAULT_PROFILES.is_dir():
@@ -192,6 +210,7 @@ def simulate(
             forecast_error=forecast_error,
             model_error=model_error,
             elasticflow_events=elasticflow_events,
+            elasticflow_overhead=elasticflow_overhead,
             time_limit_s=time_limit_s,
             seed=seed,
         )

@@ -75,6 +75,11 @@ class SimulationConfig:
     # arriving together are admitted or declined together (any of them or an admitted job late
     # declines them all).
     elasticflow_events: bool = False
+    # ElasticFlow's per-event overhead (`utils.estimate_overhead`): at every event every running
+    # job loses a few seconds of progress (see `elasticflow_overhead_s`), instead of `switch_s`
+    # per GPU-count change; `switch_s` then only sets what the policies see. Needs
+    # `elasticflow_events`: without the merged one-slot steps events are far more frequent.
+    elasticflow_overhead: bool = False
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -85,6 +90,12 @@ class SimulationConfig:
             raise SimulationError("budget_kg must be >= 0")
         if self.switch_s < 0 or self.switch_s >= self.slot_s:
             raise SimulationError("switch_s must be >= 0 and shorter than a slot")
+        if self.elasticflow_overhead and not self.elasticflow_events:
+            raise SimulationError(
+                "elasticflow_overhead needs elasticflow_events: ElasticFlow charges its "
+                "overhead per merged event, and without the one-slot steps events are far "
+                "more frequent"
+            )
         if self.deadline_margin_s is not None and self.deadline_margin_s < 0:
             raise SimulationError("deadline_margin_s must be >= 0")
         if self.forecast_error < 0 or self.model_error < 0:
@@ -103,6 +114,59 @@ class SimulationConfig:
     def margin_s(self) -> float:
         """Seconds by which policies see deadlines early."""
         return 2 * self.switch_s if self.deadline_margin_s is None else self.deadline_margin_s
+
+
+# ElasticFlow's overhead model, restated from pkusys/ElasticFlow `ElasticFlow/scheduler/utils.py`
+# (`estimate_overhead`) and `scheduler.py` (`ef_sim_jobs_access_control`, the GPU-set cache in
+# `log.py` `scheduling_result`); docs/allocation.md, "Comparability", has the details.
+EF_LARGE_CLUSTER_GPUS = 256
+
+
+def elasticflow_overhead_s(gpus: int, cluster_gpus: int, *, restart: bool, cached: bool) -> float:
+    """Progress (s) ElasticFlow's simulator takes from a job running on `gpus` GPUs at one event."""
+    large = cluster_gpus >= EF_LARGE_CLUSTER_GPUS
+    base_s = 7.0 if large else 2.0
+    if cached:
+        # Its GPU set was used since the last restart: the base cost only, restart or not.
+        return base_s
+    restart_s = (47.0 if large else 27.0) if restart else 0.0
+    return base_s + restart_s + 2.0 * (math.log2(gpus) + 1.0)
+
+
+@dataclass
+class ElasticFlowOverhead:
+    """ElasticFlow's bookkeeping behind its overhead: events seen, restarts, used GPU sets."""
+
+    cluster_gpus: int
+    # ElasticFlow restarts every `scheduling_slot`-th event: it reuses the slot length in seconds
+    # as a count of events (60 in its runs).
+    restart_every_events: int
+    events: int = 0
+    used_gpu_sets: set[tuple[int, int]] = field(default_factory=set)
+
+    def event(self, running: list[tuple[str, int]]) -> dict[str, float]:
+        """Each running job's overhead (s) at one event, from (job id, GPUs) in our job order."""
+        # ElasticFlow places every job anew at each event, largest first; on power-of-two nodes
+        # a job's GPUs are then the contiguous ranks after those of the jobs placed before it.
+        # Ties keep our job order (ElasticFlow's follows its marginal-gain ranking).
+        cached: dict[str, bool] = {}
+        first_rank = 0
+        for job_id, gpus in sorted(running, key=lambda item: -item[1]):
+            gpu_set = (first_rank, gpus)
+            cached[job_id] = gpu_set in self.used_gpu_sets
+            self.used_gpu_sets.add(gpu_set)
+            first_rank += gpus
+        restart = self.events > 0 and self.events % self.restart_every_events == 0
+        self.events += 1
+        if restart:
+            # Cleared after this event's charges: the next event finds every GPU set new.
+            self.used_gpu_sets.clear()
+        return {
+            job_id: elasticflow_overhead_s(
+                gpus, self.cluster_gpus, restart=restart, cached=cached[job_id]
+            )
+            for job_id, gpus in running
+        }
 
 
 @dataclass
@@ -262,12 +326,19 @@ def simulate_trace(
         idle_limit += math.ceil(PERIOD_S[config.budget_period] / slot_s)
     last_activity_s = start_s
     budget_cuts = 0
+    ef_overhead = (
+        ElasticFlowOverhead(capacity, max(1, round(slot_s)))
+        if config.elasticflow_overhead
+        else None
+    )
+    completed_in_step = False
     while ticks < config.max_ticks:
         _extend_periods(
             config, periods, spent_kg, period_share_kg, now + 2 * config.horizon_slots * slot_s
         )
         # Arrivals up to now join at this boundary.
         batch: list[str] = []
+        arrivals_before = next_arrival
         while next_arrival < len(pending) and pending[next_arrival].submission_s <= now + 1e-9:
             job = pending[next_arrival]
             next_arrival += 1
@@ -292,7 +363,13 @@ def simulate_trace(
             active.append(job.job_id)
         if batch:
             _admit_batch(config, policy, clock, states, active, now, periods, spent_kg, batch)
+        # An ElasticFlow event: jobs arrived or finished (the GPU-count changes of a plan are its
+        # other kind, checked below).
+        ef_event = next_arrival > arrivals_before or completed_in_step
+        completed_in_step = False
         if not active:
+            if ef_overhead is not None and ef_event:
+                ef_overhead.event([])
             if next_arrival >= len(pending):
                 break
             # Fast-forward to the next arrival.
@@ -321,6 +398,13 @@ def simulate_trace(
         # Event-driven: apply slot one until the slot ends, a job arrives or a job finishes,
         # whichever comes first, then re-plan. ElasticFlow's simulator merges the events of one
         # slot instead: with `elasticflow_events` every step is a whole slot.
+        overheads: dict[str, float] | None = None
+        if ef_overhead is not None and (
+            ef_event or any(plan.gpus[j][0] != states[j].current_gpus for j in active)
+        ):
+            overheads = ef_overhead.event(
+                [(j, plan.gpus[j][0]) for j in active if plan.gpus[j][0] > 0]
+            )
         moves: dict[str, tuple[int, float, bool]] = {}
         runs: list[tuple[float, float]] = []  # (real power_w, s until it finishes) per running job
         step_s = slot_s
@@ -332,6 +416,11 @@ def simulate_trace(
             changed = gpus != state.current_gpus and gpus > 0 and state.started
             # A switch cut short by an event still owes the rest of its stall at the next one.
             switch = config.switch_s if changed else (state.stall_s if gpus > 0 else 0.0)
+            if overheads is not None:
+                # ElasticFlow's overhead instead of the per-change stall: each event sets it
+                # anew (ElasticFlow drops what the last one left unpaid); between events (no
+                # count changes then) the rest carries on as above.
+                switch = overheads.get(job_id, 0.0)
             moves[job_id] = (gpus, switch, changed)
             if gpus > 0:
                 k = state.tables.allowed_gpus.index(gpus)
@@ -365,6 +454,7 @@ def simulate_trace(
                 state.remaining_samples = 0.0
                 state.finish_s = now + need_s
                 active.remove(job_id)
+                completed_in_step = True
             else:
                 state.remaining_samples -= rate * max(0.0, step_s - switch)
             # GPUs draw power during the switch too (memory traffic, not idle).
