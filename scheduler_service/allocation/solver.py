@@ -520,22 +520,6 @@ def _previous_worth(
     return out
 
 
-def greedy_candidates(
-    problem: AllocationProblem,
-    arrays: PlanArrays,
-    prefer: dict[str, int] | None,
-    finish: np.ndarray | None,
-    passes: int,
-    *,
-    reservation: tuple[np.ndarray, np.ndarray] | None = None,
-    chase: bool | None = None,
-) -> list[tuple[dict[str, tuple[int, ...]], PlanEvaluation]]:
-    """Plans of the reservation + pricing heuristic (greedy.py), `passes` rounds (`greedy_run`)."""
-    return greedy_run(
-        problem, arrays, prefer, finish, passes, reservation=reservation, chase=chase
-    ).plans
-
-
 def greedy_run(
     problem: AllocationProblem,
     arrays: PlanArrays,

@@ -23,7 +23,7 @@ from scheduler_service.allocation.problem import (
     evaluate_gpus,
     plan_arrays,
 )
-from scheduler_service.allocation.solver import greedy_candidates, solve
+from scheduler_service.allocation.solver import greedy_run, solve
 from tests.allocation.test_properties import SLOT_S, START, check_hard_constraints
 
 FEW = settings(
@@ -117,6 +117,6 @@ def test_heuristic_plans_keep_budgets_per_period(problem: AllocationProblem) -> 
     # Every plan of the reservation + pricing heuristic (the path of large problems), cold and
     # with later rounds, keeps capacity, allowed counts and each period's budget on its own.
     arrays = plan_arrays(problem)
-    for gpus, ev in greedy_candidates(problem, arrays, None, None, passes=2):
+    for gpus, ev in greedy_run(problem, arrays, None, None, passes=2).plans:
         check_hard_constraints(problem, gpus)
         assert ev.capacity_ok and ev.allowed_ok and ev.budget_ok

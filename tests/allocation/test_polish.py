@@ -14,7 +14,7 @@ from scheduler_service.allocation.problem import (
     evaluate_gpus,
     plan_arrays,
 )
-from scheduler_service.allocation.solver import _to_gpus, greedy_candidates
+from scheduler_service.allocation.solver import _to_gpus, greedy_run
 from tests.allocation.test_large_properties import large_problems
 from tests.allocation.test_properties import SLOT_S, START, check_hard_constraints
 
@@ -39,7 +39,7 @@ def test_polish_is_never_worse_and_keeps_hard_constraints(
     problem: AllocationProblem, passes: int
 ) -> None:
     arrays = plan_arrays(problem)
-    for gpus, ev in greedy_candidates(problem, arrays, None, None, passes=1):
+    for gpus, ev in greedy_run(problem, arrays, None, None, passes=1).plans:
         if not (ev.capacity_ok and ev.allowed_ok and ev.budget_ok):
             continue  # polish starts from a plan that keeps them (solve's best candidate)
         out = polish(problem, arrays, _options(problem, gpus), passes)
@@ -62,7 +62,7 @@ def test_row_costs_add_up_to_the_objective(problem: AllocationProblem) -> None:
     # The search compares per-job costs; they must sum to plan_objective exactly (the objective
     # is separable over jobs), or a move could look better than it is.
     arrays = plan_arrays(problem)
-    gpus, ev = greedy_candidates(problem, arrays, None, None, passes=1)[0]
+    gpus, ev = greedy_run(problem, arrays, None, None, passes=1).plans[0]
     opts = _options(problem, gpus)
     total = float(_costs(_context(problem, arrays), np.arange(len(problem.jobs)), opts).sum())
     assert total == pytest.approx(ev.objective, rel=1e-9, abs=1e-6)

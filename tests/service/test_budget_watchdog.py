@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -195,23 +196,27 @@ def _config(limit_kg: float, tick_retry_initial_s: float = 5.0) -> GreenflowConf
     )
 
 
-def _running_job(factory: sessionmaker[Session], now: datetime) -> int:
+def _add_job(factory: sessionmaker[Session], **fields: Any) -> int:
+    """A resnet50 job of alice's (1-8 GPUs) with `fields` set, stored; its id."""
     with transaction(factory) as session:
         job = Job(
-            owner="alice",
-            name="big",
-            workload="resnet50",
-            global_batch_size=256,
-            min_gpus=1,
-            max_gpus=8,
-            state=JobState.RUNNING.value,
-            state_reason="running",
-            created_at=now - timedelta(minutes=5),
-            updated_at=now - timedelta(minutes=5),
-        )
+            owner="alice", workload="resnet50", global_batch_size=256, min_gpus=1, max_gpus=8,
+            **fields,
+        )  # fmt: skip
         session.add(job)
         session.flush()
         return job.id
+
+
+def _running_job(factory: sessionmaker[Session], now: datetime) -> int:
+    return _add_job(
+        factory,
+        name="big",
+        state=JobState.RUNNING.value,
+        state_reason="running",
+        created_at=now - timedelta(minutes=5),
+        updated_at=now - timedelta(minutes=5),
+    )
 
 
 def _report(factory: sessionmaker[Session], job_id: int, ends: list[datetime]) -> None:

@@ -27,6 +27,7 @@ from scheduler_service.settings import Settings
 from tests.api.conftest import Tokens, auth, database_url, postgres_server, tokens  # noqa: F401
 from tests.api.test_jobs_api import register_node, spec
 from tests.service.test_budget_watchdog import (
+    _add_job,
     _config,
     _FailingCarbon,
     _retry_delays_s,
@@ -133,21 +134,13 @@ def test_metrics_leave_out_the_loop_where_it_does_not_run(
 
 def _queued_job(factory: sessionmaker[Session]) -> int:
     """A queued job with work left, as submission leaves it."""
-    with transaction(factory) as session:
-        job = Job(
-            owner="alice",
-            name="queued",
-            workload="resnet50",
-            global_batch_size=256,
-            total_samples=1_000_000,
-            min_gpus=1,
-            max_gpus=8,
-            state=JobState.QUEUED.value,
-            state_reason="submitted",
-        )
-        session.add(job)
-        session.flush()
-        return job.id
+    return _add_job(
+        factory,
+        name="queued",
+        total_samples=1_000_000,
+        state=JobState.QUEUED.value,
+        state_reason="submitted",
+    )
 
 
 def test_a_job_that_keeps_changing_fails_the_tick_after_a_few_immediate_replans(
