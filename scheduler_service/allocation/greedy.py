@@ -16,6 +16,7 @@ Everything per slot is numpy over jobs x options: no Python loop over jobs insid
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,16 +102,14 @@ def reserve_deadlines(
     problem: AllocationProblem,
     arrays: PlanArrays,
     protect: np.ndarray,
-    late: bool = True,
-    smallest_first: bool = False,
+    order: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Deadline reservations: (option per job and slot, -1 = none; jobs actually protected).
 
-    Jobs are taken latest deadline first (or, with `smallest_first`, fewest GPUs on average over
-    the deadline window first, which saves more deadlines when they cannot all fit); each tries the slowest fixed count that
-    covers its work before the deadline, then the largest count that fits each slot, placed as
-    late as possible (`late`) or as soon as possible; a job neither fits loses its protection
-    (its deadline is then left to the per-slot pricing).
+    Jobs are taken in `order` (default: latest deadline first; see `overload_orders` for the
+    orders tried when not all fit); each tries the slowest fixed count that covers its work
+    before the deadline, then the largest count that fits each slot, placed as late as possible;
+    a job neither fits loses its protection (its deadline is then left to the per-slot pricing).
     """
     num_jobs, num_slots = arrays.num_jobs, problem.num_slots
     end_s, need = effective_deadlines(problem, arrays)
@@ -119,36 +118,23 @@ def reserve_deadlines(
     reserved = np.full((num_jobs, num_slots), -1, dtype=np.int64)
     protected = np.zeros(num_jobs, dtype=bool)
     n_valid = arrays.valid.sum(axis=1)
-    candidates = np.flatnonzero(protect & (need > 0))
-    if smallest_first:
-        total_s = dur.sum(axis=1)
-        covers = arrays.valid & (arrays.throughput * total_s[:, None] >= need[:, None] * (1 - 1e-9))
-        gpu_s = np.where(
-            covers, need[:, None] / np.maximum(arrays.throughput, 1e-12) * arrays.gpus, np.inf
-        ).min(axis=1)
-        # Fewest GPUs held on average over the window first (GPU-seconds / window): measured
-        # to keep more deadlines than fewest GPU-seconds (125 vs 111 of 223 at 1,000 jobs on
-        # 256 GPUs; 732 vs 666 of 1,120 at 5,000 on 2,048).
-        spread = gpu_s / np.maximum(total_s, 1e-9)
-        order = sorted(candidates, key=lambda i: (spread[i], end_s[i], i))
-    else:
-        order = sorted(candidates, key=lambda i: (-end_s[i], i) if late else (end_s[i], i))
+    if order is None:
+        order = sorted(np.flatnonzero(protect & (need > 0)), key=lambda i: (-end_s[i], i))
     for i in order:
         span = np.flatnonzero(dur[i] > 0)
-        if len(span) == 0:
+        if len(span) == 0 or not protect[i] or need[i] <= 0:
             continue
         thr = arrays.throughput[i, : n_valid[i]]
         gpus = arrays.gpus[i, : n_valid[i]]
-        slots = span[::-1] if late else span
         total_s = float(dur[i, span].sum())
-        # The slowest fixed count that covers the need, placed slot by slot (latest first when
-        # `late`), then the largest count that fits each slot (-1). Measured on the 1,000 x 48
-        # bench: choosing among placements by GPU-slots booked instead (also without a partial
-        # deadline slot) did worse, 8.8 M vs 8.6 M: late slots are the cheap ones.
+        # The slowest fixed count that covers the need, placed slot by slot latest first, then
+        # the largest count that fits each slot (-1). Measured on the 1,000 x 48 bench: choosing
+        # among placements by GPU-slots booked instead (also without a partial deadline slot)
+        # did worse, 8.8 M vs 8.6 M: late slots are the cheap ones.
         for fixed in [*range(len(thr)), -1]:
             if fixed >= 0 and thr[fixed] * total_s < need[i] * (1 - 1e-9):
                 continue
-            trial = _place(thr, gpus, dur[i], slots, cap_left, need[i], fixed)
+            trial = _place(thr, gpus, dur[i], span[::-1], cap_left, need[i], fixed)
             if trial is not None:
                 on = trial >= 0
                 reserved[i, on] = trial[on]
@@ -158,15 +144,64 @@ def reserve_deadlines(
     return reserved, protected
 
 
+def overload_orders(
+    problem: AllocationProblem, arrays: PlanArrays, protect: np.ndarray
+) -> list[list[int]]:
+    """Reservation orders to try when not every deadline fits: narrowest reservations first.
+
+    With deadlines close to the fastest run time a reservation is nearly a rectangle from now
+    to the deadline, and every such rectangle crosses the first slot, so the most of them fit
+    when the thinnest go first. "Thin" is measured three ways, each of which kept the most
+    deadlines on some bench case (none on all): fewest GPUs on average over the window
+    (least GPU-seconds / window seconds); fewest GPU-slots per window slot in the reservation
+    the job alone would get (whole slots booked); the fewest GPUs that reservation runs at.
+    """
+    end_s, need = effective_deadlines(problem, arrays)
+    dur = slot_durations(problem, end_s)
+    window_s = dur.sum(axis=1)
+    covers = arrays.valid & (arrays.throughput * window_s[:, None] >= need[:, None] * (1 - 1e-9))
+    spread = np.where(
+        covers, need[:, None] / np.maximum(arrays.throughput, 1e-12) * arrays.gpus, np.inf
+    ).min(axis=1) / np.maximum(window_s, 1e-9)
+    candidates = [int(i) for i in np.flatnonzero(protect & (need > 0))]
+    # The reservation each job alone would get at each covering count (latest slots first, the
+    # earliest of them at the smallest count that covers the rest), in closed form: only the
+    # deadline's slot is partial (`last_s` of it lies before the deadline).
+    thr, gpus = np.maximum(arrays.throughput, 1e-12), arrays.gpus
+    window_slots = (dur > 0).sum(axis=1)
+    last_s = dur[np.arange(arrays.num_jobs), np.maximum(window_slots - 1, 0)][:, None]
+    slot_s = problem.slot_s
+    full = np.ceil((need[:, None] - thr * last_s) / (thr * slot_s) - 1e-9)
+    slots_used = 1 + np.maximum(full, 0)  # [jobs, options]
+    rest = need[:, None] - thr * np.where(slots_used > 1, last_s + (slots_used - 2) * slot_s, 0.0)
+    rest_s = np.where(slots_used > 1, slot_s, last_s)
+    # Smallest count k <= the fixed one that covers the rest in that slot.
+    fits = (thr[:, None, :] * rest_s[:, :, None] >= rest[:, :, None] * (1 - 1e-9)) & (
+        np.arange(thr.shape[1])[None, None, :] <= np.arange(thr.shape[1])[None, :, None]
+    )
+    first_gpus = np.take_along_axis(gpus, fits.argmax(axis=2), axis=1)
+    booked = np.where(covers, gpus * (slots_used - 1) + first_gpus, np.inf)
+    per_slot = booked.min(axis=1) / np.maximum(window_slots, 1)  # GPU-slots per window slot
+    peak = gpus[np.arange(arrays.num_jobs), booked.argmin(axis=1)]  # that reservation's count
+    return [
+        sorted(candidates, key=lambda i: (key[i], end_s[i], i)) for key in (spread, per_slot, peak)
+    ]
+
+
 def best_reservation(
     problem: AllocationProblem, arrays: PlanArrays, protect: np.ndarray
 ) -> np.ndarray:
-    """The reservation (latest deadline first, or fewest GPUs first) that protects more jobs."""
-    by_deadline, kept = reserve_deadlines(problem, arrays, protect)
+    """The reservation that protects the most deadline jobs: latest deadline first when all
+    fit, else the best of that and the `overload_orders`."""
+    best, kept = reserve_deadlines(problem, arrays, protect)
     if kept.sum() == (protect & (effective_deadlines(problem, arrays)[1] > 0)).sum():
-        return by_deadline  # everything fits: no need to choose
-    by_size, kept_small = reserve_deadlines(problem, arrays, protect, smallest_first=True)
-    return by_size if kept_small.sum() > kept.sum() else by_deadline
+        return best  # everything fits: no need to choose
+    most = int(kept.sum())
+    for order in overload_orders(problem, arrays, protect):
+        trial, trial_kept = reserve_deadlines(problem, arrays, protect, order)
+        if trial_kept.sum() > most:
+            best, most = trial, int(trial_kept.sum())
+    return best
 
 
 def _place(
