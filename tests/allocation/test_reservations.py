@@ -42,9 +42,10 @@ def test_a_narrow_deadline_placed_first_lets_a_wide_one_run_faster_later() -> No
     # 8 GPUs. "narrow" (due at 900 s) and "wide-8" (due at 4,500 s) each need all 8 GPUs in the
     # first slot, so at most one of them fits. "flex" (due at 5,400 s) covers its work at 4
     # GPUs over all three slots or at 8 GPUs in the last slot plus 1 GPU before it. Latest
-    # deadline first (and fewest GPUs on average first) book "flex" at 4 GPUs in every slot,
-    # after which neither 8-GPU job fits: 1 deadline protected. The fewest-GPUs-booked order
-    # takes "narrow" first, and "flex" then fits at 8 GPUs in the last slots: 2.
+    # deadline first, fewest GPUs on average and fewest GPU-slots per window slot all place
+    # "flex" first, at 4 GPUs in every slot, after which neither 8-GPU job fits: 1 protected.
+    # By the GPU count of each job's own cheapest reservation (8 for all three; ties go to the
+    # earlier deadline) "narrow" goes first and "flex" then fits at 8 GPUs late: 2.
     problem = AllocationProblem(
         start_at=datetime(2021, 1, 1, tzinfo=UTC),
         slot_s=SLOT_S,
@@ -65,7 +66,7 @@ def test_a_narrow_deadline_placed_first_lets_a_wide_one_run_faster_later() -> No
         reserve_deadlines(problem, arrays, protect, o)[1].tolist()
         for o in overload_orders(problem, arrays, protect)
     ]
-    assert kept[0] == [True, False, False]  # fewest GPUs on average over the window first
+    assert kept == [[True, False, False], [True, False, False], [True, True, False]]
     reserved = best_reservation(problem, arrays, protect)
     assert (reserved >= 0).any(axis=1).tolist() == [True, True, False]
     assert arrays.gpus[1, reserved[1, 0]] == 8  # "narrow" holds the whole first slot
