@@ -360,9 +360,18 @@ def simulate_trace(
                 if not decision.admitted:
                     state.reject_reason = decision.reason
                     continue
+                if decision.plan is not None:
+                    # The next tick warm-starts from the plan that made the guarantee (the
+                    # previous plan is one of its candidates): its own solve, at the full time
+                    # limit, runs other steps than admission's and need not find that plan.
+                    previous = decision.plan
             active.append(job.job_id)
         if batch:
-            _admit_batch(config, policy, clock, states, active, now, periods, spent_kg, batch)
+            batch_plan = _admit_batch(
+                config, policy, clock, states, active, now, periods, spent_kg, batch
+            )
+            if batch_plan is not None:
+                previous = batch_plan
         # An ElasticFlow event: jobs arrived or finished (the GPU-count changes of a plan are its
         # other kind, checked below).
         ef_event = next_arrival > arrivals_before or completed_in_step
@@ -618,8 +627,11 @@ def _admit_batch(
     periods: list[tuple[float, float, float]],
     spent_kg: list[float],
     batch: list[str],
-) -> None:
-    """Admit the deadline jobs of `batch` together or not at all (ElasticFlow's admission)."""
+) -> AllocationPlan | None:
+    """Admit the deadline jobs of `batch` together or not at all (ElasticFlow's admission).
+
+    Returns the plan that admitted them (None when they were turned away).
+    """
     problem = _problem(config, clock, states, active, now, periods, spent_kg)
     limit_s = config.time_limit_s / 2
     met_before: set[str] = set()
@@ -631,6 +643,7 @@ def _admit_batch(
     plan = policy(trial, previous=None, time_limit_s=limit_s, seed=config.seed)
     late = [j for j in batch if not plan.deadline_met.get(j, False)]
     broken = [k for k in met_before if not plan.deadline_met.get(k, False)]
+    admitted = False
     for job_id in batch:
         state = states[job_id]
         state.guaranteed = not late and not broken
@@ -644,6 +657,8 @@ def _admit_batch(
             state.reject_reason = f"rejected with its arrival batch: {why}"
             continue
         active.append(job_id)
+        admitted = True
+    return plan if admitted else None
 
 
 def _new_state(
