@@ -18,6 +18,7 @@ from scheduler_service.allocation.problem import (
     PlanArrays,
     allowed_gpu_counts,
     evaluate_gpus,
+    make_plan,
     relative_gap,
 )
 from scheduler_service.allocation.solver import (
@@ -194,6 +195,38 @@ def test_admission_trial_keeps_every_problem_field() -> None:
     for f in dataclasses.fields(AllocationProblem):
         if f.name != "jobs":
             assert getattr(trial, f.name) == getattr(current, f.name), f.name
+
+
+def test_admission_does_not_let_the_carbon_price_decide_which_deadlines_can_be_met() -> None:
+    # A policy whose plans under a carbon price park the newcomer (as the heuristics can when
+    # clean slots come too late): admission searches once more without the price, and its
+    # plan is then scored under the real, priced problem.
+    def parks_under_a_price(p: AllocationProblem, **kw: object) -> AllocationPlan:
+        plan = solve(p, **kw)  # type: ignore[arg-type]
+        if p.carbon_price_s_per_kg == 0:
+            return plan
+        parked = {k: (0,) * p.num_slots if k == "new" else v for k, v in plan.gpus.items()}
+        return make_plan(p, parked, status="heuristic", policy="parks", solve_s=0.0)
+
+    current = problem((job("a", 2.0),), carbon_price_s_per_kg=1e4)
+    decision = admit(current, job("new", 2.0, deadline_h=3.0), policy=parks_under_a_price)
+    assert decision.admitted and decision.guaranteed
+    assert decision.plan is not None and decision.plan.deadline_met["new"]
+    assert "admission: found without the carbon price" in decision.plan.notes
+    trial = dataclasses.replace(current, jobs=(*current.jobs, job("new", 2.0, deadline_h=3.0)))
+    assert decision.plan.objective == pytest.approx(
+        evaluate_gpus(trial, decision.plan.gpus).objective
+    )
+    # Without a price there is nothing to retry: the policy's own answer stands.
+    always_parks = problem((job("a", 2.0),))
+    refused = admit(
+        always_parks,
+        job("new", 2.0, deadline_h=3.0),
+        policy=lambda p, **kw: parks_under_a_price(
+            dataclasses.replace(p, carbon_price_s_per_kg=1.0), **kw
+        ),
+    )
+    assert not refused.admitted
 
 
 def test_missed_reason_names_the_jobs_holding_capacity_and_the_overload() -> None:
