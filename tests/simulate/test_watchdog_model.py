@@ -15,8 +15,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from energy_model.carbon.series import load_intensity_csv
-from energy_model.profiles import load_scaling_profiles
+from energy_model.carbon.series import IntensitySeries, load_intensity_csv
+from energy_model.profiles import ScalingProfile, load_scaling_profiles
 from scheduler_service.simulate import engine
 from scheduler_service.simulate.cli import simulate
 from scheduler_service.simulate.engine import (
@@ -26,14 +26,16 @@ from scheduler_service.simulate.engine import (
     WatchdogModel,
     simulate_trace,
 )
-from scheduler_service.simulate.trace import JobTables, job_tables, load_trace
+from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables, load_trace
 from tests.simulate.test_simulate import write_profiles, write_series, write_trace
 
 # 10,000 s of work on its one allowed GPU: it never finishes inside these replays' budgets.
 SOLO_JOB = "a,0,100000,solo,,32,1,10000"
 
 
-def _solo(tmp_path: Path) -> tuple[list, dict, object, float]:
+def _solo(
+    tmp_path: Path,
+) -> tuple[list[TraceJob], dict[str, ScalingProfile], IntensitySeries, float]:
     """(jobs, profiles, series, r): one 1-GPU job, 100 g/kWh flat, r its real kg per second."""
     folder = tmp_path / "solo_profiles"
     folder.mkdir()
