@@ -73,6 +73,11 @@ class CarbonConfig(BaseModel):
 PolicyName = Literal["greenflow", "carbon-agnostic", "static", "carbon-greedy", "shift"]
 
 
+def default_budget_check_s(slot_s: float) -> float:
+    """The budget watchdog's check interval when none is set: a fifth of a slot, within 1-300 s."""
+    return min(max(slot_s / 5, 1.0), 300.0)
+
+
 class PlannerConfig(BaseModel):
     """Slot length and horizon of the allocation plan."""
 
@@ -99,7 +104,7 @@ class PlannerConfig(BaseModel):
         """Seconds between the loop's intensity samples and budget checks."""
         if self.budget_check_interval_s is not None:
             return self.budget_check_interval_s
-        return min(max(self.slot_s / 5, 1.0), 300.0)
+        return default_budget_check_s(self.slot_s)
 
 
 class ClusterConfig(BaseModel):

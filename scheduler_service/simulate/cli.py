@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Literal, cast
 
@@ -19,6 +21,7 @@ from scheduler_service.simulate.engine import (
     SimulationConfig,
     SimulationError,
     SimulationReport,
+    WatchdogModel,
     simulate_trace,
 )
 from scheduler_service.simulate.trace import TraceError, deadlines_beyond_horizon, load_trace
@@ -41,6 +44,35 @@ def parse_cluster(text: str) -> tuple[int, int]:
             param_hint="--cluster",
         )
     return int(match.group(1)), int(match.group(2))
+
+
+def parse_watchdog(
+    check_s: float | None, telemetry_s: float | None, tick_s: float | None, budget_kg: float | None
+) -> WatchdogModel | None:
+    """The realistic watchdog the `--watchdog-*` flags ask for (None: the ideal one)."""
+    given = {
+        "--watchdog-check-s": check_s,
+        "--watchdog-telemetry-s": telemetry_s,
+        "--watchdog-tick-s": tick_s,
+    }
+    for flag, value in given.items():
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise typer.BadParameter(
+                f"must be a positive number of seconds; got {value}", param_hint=flag
+            )
+    if all(value is None for value in given.values()):
+        return None
+    if budget_kg is None:
+        flag = next(flag for flag, value in given.items() if value is not None)
+        raise typer.BadParameter(
+            "needs --budget-kg: the watchdog only watches a hard budget", param_hint=flag
+        )
+    defaults = WatchdogModel()
+    return WatchdogModel(
+        check_interval_s=check_s,
+        telemetry_interval_s=defaults.telemetry_interval_s if telemetry_s is None else telemetry_s,
+        tick_s=defaults.tick_s if tick_s is None else tick_s,
+    )
 
 
 def report_table(report: SimulationReport) -> Table:
@@ -70,7 +102,10 @@ def report_table(report: SimulationReport) -> Table:
             "budget violations",
             f"{report.budget_violations} ({report.budget_overshoot_kg:.3f} kg over)",
         ),
-        ("steps the budget watchdog cut short", str(report.budget_cuts)),
+        (
+            "steps the budget watchdog cut short (its wakes with --watchdog-*)",
+            str(report.budget_cuts),
+        ),
         ("GPU utilisation", f"{report.gpu_utilisation:.1%}"),
         ("GPU-count changes", str(report.gpu_changes)),
         (
@@ -158,6 +193,37 @@ def simulate(
             ),
         ),
     ] = False,
+    watchdog_check_s: Annotated[
+        float | None,
+        typer.Option(
+            "--watchdog-check-s",
+            help=(
+                "Model the service's budget watchdog as it runs instead of an ideal one: check"
+                " the budget every this many seconds (default with any --watchdog-* flag: the"
+                " service's rule, --slot-s / 5 within 1-300 s). Needs --budget-kg."
+            ),
+        ),
+    ] = None,
+    watchdog_telemetry_s: Annotated[
+        float | None,
+        typer.Option(
+            "--watchdog-telemetry-s",
+            help=(
+                "Realistic watchdog: seconds between telemetry reports; the ledger lags the"
+                " draw by one (default 5, the service's)."
+            ),
+        ),
+    ] = None,
+    watchdog_tick_s: Annotated[
+        float | None,
+        typer.Option(
+            "--watchdog-tick-s",
+            help=(
+                "Realistic watchdog: seconds from a wake until its stop takes effect (default 2,"
+                " the service's tick latency floor)."
+            ),
+        ),
+    ] = None,
     limit: Annotated[
         int | None, typer.Option("--limit", help="Replay only the first N jobs of the trace.")
     ] = None,
@@ -181,6 +247,7 @@ def simulate(
             " event, and without one-slot steps events are far more frequent",
             param_hint="--elasticflow-overhead",
         )
+    watchdog = parse_watchdog(watchdog_check_s, watchdog_telemetry_s, watchdog_tick_s, budget_kg)
     nodes, per_node = parse_cluster(cluster)
     profile_dir = profiles or DEFAULT_PROFILES
     if profiles is None and not DEFAULT_PROFILES.is_dir():
@@ -211,6 +278,7 @@ def simulate(
             model_error=model_error,
             elasticflow_events=elasticflow_events,
             elasticflow_overhead=elasticflow_overhead,
+            watchdog=watchdog,
             time_limit_s=time_limit_s,
             seed=seed,
         )
@@ -247,6 +315,6 @@ def simulate(
     payload = {
         **report.summary(),
         "jobs_detail": [o.__dict__ for o in report.outcomes],
-        "config": {k: v for k, v in config.__dict__.items()},
+        "config": asdict(config),
     }
     out.write_text(json.dumps(payload, indent=2, default=str))

@@ -36,13 +36,42 @@ from scheduler_service.allocation.problem import (
     JobSpec,
 )
 from scheduler_service.allocation.solver import admit
+from scheduler_service.settings import ClusterConfig, PlannerConfig, default_budget_check_s
 from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
+from scheduler_service.simulate.watchdog import RealisticWatchdog
 
 PERIOD_S = {"day": 86_400.0, "week": 7 * 86_400.0}
 
 
 class SimulationError(ValueError):
     """The simulation's inputs cannot be replayed (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class WatchdogModel:
+    """The service's budget watchdog as it runs (`simulate/watchdog.py`), not the ideal one.
+
+    Defaults are the service's (`greenflow.toml`): checks every `slot_s / 5` within 1-300 s of
+    the replay's slot, telemetry every 5 s, a tick of `planner.tick_latency_floor_s` (2 s).
+    """
+
+    check_interval_s: float | None = None  # None: the service's rule for the replay's slot
+    telemetry_interval_s: float = ClusterConfig.model_fields["agent_telemetry_interval_s"].default
+    tick_s: float = PlannerConfig.model_fields["tick_latency_floor_s"].default
+
+    def __post_init__(self) -> None:
+        for name in ("check_interval_s", "telemetry_interval_s", "tick_s"):
+            value = getattr(self, name)
+            if value is None and name == "check_interval_s":
+                continue
+            if not math.isfinite(value) or value <= 0:
+                raise SimulationError(f"watchdog {name} must be a positive number; got {value}")
+
+    def check_s(self, slot_s: float) -> float:
+        """Seconds between checks in a replay with `slot_s`-second slots."""
+        if self.check_interval_s is not None:
+            return self.check_interval_s
+        return default_budget_check_s(slot_s)
 
 
 @dataclass(frozen=True)
@@ -80,6 +109,9 @@ class SimulationConfig:
     # per GPU-count change; `switch_s` then only sets what the policies see. Needs
     # `elasticflow_events`: without the merged one-slot steps events are far more frequent.
     elasticflow_overhead: bool = False
+    # The service's budget watchdog as it runs (discrete checks, telemetry lag, tick latency);
+    # None: the ideal one, which cuts a step exactly where the real spend reaches the budget.
+    watchdog: WatchdogModel | None = None
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -100,6 +132,8 @@ class SimulationConfig:
             raise SimulationError("deadline_margin_s must be >= 0")
         if self.forecast_error < 0 or self.model_error < 0:
             raise SimulationError("forecast_error and model_error must be >= 0")
+        if self.watchdog is not None and self.budget_kg is None:
+            raise SimulationError("a watchdog model needs a budget: it only watches a hard budget")
         try:
             get_policy(self.policy)
         except UnknownPolicy as exc:
@@ -228,7 +262,8 @@ class SimulationReport:
     budget_violations: int
     budget_overshoot_kg: float
     # Steps the budget watchdog cut short: real power reached the period's budget before the
-    # plan's slot ended (model or forecast error), so the policy re-planned at once.
+    # plan's slot ended (model or forecast error), so the policy re-planned at once. With a
+    # `WatchdogModel`, the watchdog's wakes instead (each re-plans a tick's time after its check).
     budget_cuts: int
     gpu_utilisation: float
     gpu_changes: int
@@ -329,6 +364,17 @@ def simulate_trace(
     ef_overhead = (
         ElasticFlowOverhead(capacity, max(1, round(slot_s)))
         if config.elasticflow_overhead
+        else None
+    )
+    watchdog = (
+        RealisticWatchdog(
+            check_interval_s=config.watchdog.check_s(slot_s),
+            telemetry_interval_s=config.watchdog.telemetry_interval_s,
+            tick_s=config.watchdog.tick_s,
+            kg_per_w=clock.kg_per_w,
+            origin=clock.origin,
+        )
+        if config.watchdog is not None and periods
         else None
     )
     completed_in_step = False
@@ -438,12 +484,26 @@ def simulate_trace(
                 if not config.elasticflow_events:
                     step_s = min(step_s, need_s)
         step_s = max(step_s, 1e-3)
-        # The service's budget watchdog: real power (not the plan's model of it) reaching the
-        # period's budget stops the step there, and the next plan sees the budget spent.
-        cut_s = budget_cut_s(clock, periods, spent_kg, now, step_s, runs)
-        if cut_s < step_s:
-            budget_cuts += 1
-            step_s = max(cut_s, 1e-3)
+        if watchdog is None:
+            # The ideal budget watchdog: real power (not the plan's model of it) reaching the
+            # period's budget stops the step there, and the next plan sees the budget spent.
+            cut_s = budget_cut_s(clock, periods, spent_kg, now, step_s, runs)
+            if cut_s < step_s:
+                budget_cuts += 1
+                step_s = max(cut_s, 1e-3)
+        else:
+            # The service's watchdog as it runs: checks, telemetry lag, a tick's latency.
+            current = _current_period(periods, now)
+            step_s = watchdog.step_s(
+                plan,
+                None if current is None else periods[current],
+                0.0 if current is None else spent_kg[current],
+                now,
+                step_s,
+                runs,
+            )
+            step_s = max(step_s, 1e-3)
+        ran: list[tuple[float, float]] = []  # (real power_w, s it ran) per running job
         for job_id in list(active):
             state = states[job_id]
             gpus, switch, changed = moves[job_id]
@@ -473,6 +533,9 @@ def simulate_trace(
             busy_gpu_s += gpus * run_s
             last_activity_s = max(last_activity_s, now + run_s)
             _charge(periods, spent_kg, now, run_s, kg)
+            ran.append((power_w, run_s))
+        if watchdog is not None:
+            watchdog.ran(now, ran)
         now += step_s
         if progress is not None:
             progress(min(1.0, (now - start_s) / run_span_s))
@@ -491,7 +554,7 @@ def simulate_trace(
         last_activity_s,
         ticks,
         max(now, last_activity_s),
-        budget_cuts,
+        budget_cuts if watchdog is None else watchdog.wakes,
     )
 
 
@@ -566,6 +629,14 @@ def _charge(
             spent[i] += kg * overlap / run_s
 
 
+def _current_period(periods: list[tuple[float, float, float]], now: float) -> int | None:
+    """Index of the budget period that holds `now` (None: unlimited)."""
+    return next(
+        (i for i, (begin, end, _) in enumerate(periods) if begin <= now < end and end > begin),
+        None,
+    )
+
+
 def budget_cut_s(
     clock: CarbonClock,
     periods: list[tuple[float, float, float]],
@@ -581,10 +652,7 @@ def budget_cut_s(
     only the part charged across it overspends (charged by time share, as `_charge` does), or
     the moment the spend reaches the budget (bisection: spend grows with time inside a period).
     """
-    current = next(
-        (i for i, (begin, end, _) in enumerate(periods) if begin <= now < end and end > begin),
-        None,
-    )
+    current = _current_period(periods, now)
     if current is None or not runs:
         return step_s
     _, end, share_kg = periods[current]
