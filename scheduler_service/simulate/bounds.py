@@ -299,6 +299,37 @@ def _windows(
     return [w for w in out if w[1] > w[0]]
 
 
+@dataclass(frozen=True)
+class JobColumns:
+    """Where one job sits in the LP (`build_lp`): its slots, progress and JCT columns."""
+
+    first_slot: int  # index of the job's first slot (the one holding its release)
+    end_slot: int  # one past its last slot (its own horizon: work after goes to the tail)
+    progress: np.ndarray  # (slots from first_slot, M) columns; row sums: work fraction per slot
+    tail: int  # work fraction done past the horizon
+    jct: int  # the job's JCT variable (seconds)
+    undone_cols: np.ndarray  # the undone-work term: sum undone_vals * x[undone_cols] <= ...
+    undone_vals: np.ndarray  # ... int_r^inf (1 - f) dt of any schedule (module docstring)
+
+
+@dataclass(frozen=True)
+class LpModel:
+    """The LP of the module docstring: minimise c x, A_ub x <= b_ub, A_eq x = b_eq, lb..ub."""
+
+    c: np.ndarray
+    a_ub: sp.csr_array
+    b_ub: np.ndarray
+    a_eq: sp.csr_array
+    b_eq: np.ndarray
+    lb: np.ndarray
+    ub: np.ndarray
+    edges: np.ndarray  # slot edges (trace seconds)
+    jobs: list[JobColumns]
+    kg_per_w: np.ndarray  # per slot: kg per W drawn through the whole slot
+    capacity_rows: np.ndarray  # per slot: its capacity row in a_ub
+    budget_rows: list[tuple[int, float, float, float]]  # (row, from_s, to_s, kg) per window
+
+
 def _solve(
     jobs: list[TraceJob],
     tables: list[JobTables],
@@ -312,9 +343,59 @@ def _solve(
     until_s: float,
 ) -> _Solved:
     """Build and solve the LP of the module docstring over [start_s, horizon_s)."""
+    model = build_lp(
+        jobs, tables, clock, config, periods_in_span, start_s, horizon_s, segments, limits, until_s
+    )
+    c_vec, a_ub, b_vec, a_eq, b_eq = model.c, model.a_ub, model.b_ub, model.a_eq, model.b_eq
+    lb, ub = model.lb, model.ub
+    res = linprog(
+        c_vec,
+        A_ub=a_ub,
+        b_ub=b_vec,
+        A_eq=a_eq,
+        b_eq=b_eq,
+        bounds=np.column_stack([lb, ub]),
+        method="highs",
+    )
+    if res.status != 0:
+        raise BoundError(f"JCT bound LP ended with status {res.status}: {res.message}")
+    # Weak duality with any multipliers (y_ub <= 0 as scipy signs them): a bound for sure.
+    y_ub = np.minimum(np.asarray(res.ineqlin.marginals), 0.0)
+    y_eq = np.asarray(res.eqlin.marginals)
+    reduced = c_vec - a_ub.T @ y_ub - a_eq.T @ y_eq
+    dual = float(np.minimum(reduced * lb, reduced * ub).sum() + y_ub @ b_vec + y_eq @ b_eq)
+    tail = float(res.x[np.asarray([j.tail for j in model.jobs])].sum())
+    return _Solved(
+        bound_sum_s=dual,
+        primal_sum_s=float(res.fun),
+        tail_work=tail,
+        slots=len(model.edges) - 1,
+        variables=len(c_vec),
+    )
+
+
+def build_lp(
+    jobs: list[TraceJob],
+    tables: list[JobTables],
+    clock: CarbonClock,
+    config: SimulationConfig,
+    periods_in_span: list[tuple[float, float, float]],
+    start_s: float,
+    horizon_s: float,
+    segments: int,
+    limits: list[JobLimits],
+    until_s: float,
+    extra_edges: np.ndarray | None = None,
+    job_ends: list[float] | None = None,
+) -> LpModel:
+    """The LP of the module docstring over [start_s, horizon_s), slots also cut at
+    `extra_edges` (more edges only refine the slots: still a relaxation of every replay);
+    `job_ends[j]` (a slot edge, say in `extra_edges`) ends job j's own slots earlier, its
+    tail then costing job_ends[j] - release (still a bound, as for the horizon)."""
     periods = _periods_until(config, periods_in_span, horizon_s)
     windows = _windows(config, periods, start_s, horizon_s)
-    edges = _boundaries(clock, windows, start_s, horizon_s)
+    cuts = [] if extra_edges is None else [(float(t), float(t), 0.0) for t in extra_edges]
+    edges = _boundaries(clock, windows + cuts, start_s, horizon_s)
     begin, end = edges[:-1], edges[1:]
     length = end - begin
     num_slots = len(begin)
@@ -335,6 +416,7 @@ def _solve(
     x_gpus: list[np.ndarray] = []
     x_power: list[np.ndarray] = []
     tail_cols: list[int] = []
+    job_cols: list[JobColumns] = []
     n_var = 0
     n_row = 0
     for j, (job, table, limit) in enumerate(zip(jobs, tables, limits, strict=True)):
@@ -343,7 +425,14 @@ def _solve(
         rates = np.asarray(table.throughput_samples_per_s)
         p_s = work / rates.max()
         first = max(0, int(np.searchsorted(edges, release, side="right")) - 1)
-        s_idx = np.arange(first, num_slots)
+        # The job's own horizon (a slot edge): work past it goes to its tail, which costs its
+        # distance from the release and uses neither capacity nor budget, so any end is valid.
+        last = num_slots
+        job_end = horizon_s
+        if job_ends is not None and job_ends[j] < horizon_s:
+            last = max(first + 1, int(np.searchsorted(edges, job_ends[j] + 1e-6, side="right")) - 1)
+            job_end = float(edges[last])
+        s_idx = np.arange(first, last)
         s_count = len(s_idx)
         a = np.maximum(begin[s_idx], release)
         avail = np.clip((end[s_idx] - a) / length[s_idx], 0.0, 1.0)
@@ -383,10 +472,13 @@ def _solve(
         rows.append(np.full(s_count * m + 2, n_row))
         cols.append(np.concatenate([z_ids.ravel(), [tail_cols[-1], jct_col]]))
         vals.append(
-            np.concatenate([((a - release)[:, None] + slopes).ravel(), [horizon_s - release, -1.0]])
+            np.concatenate([((a - release)[:, None] + slopes).ravel(), [job_end - release, -1.0]])
         )
         b_ub.append(np.array([-limit.done_integral_s]))
         n_row += 1
+        job_cols.append(
+            JobColumns(first, last, z_ids, tail_cols[-1], jct_col, cols[-1][:-1], vals[-1][:-1])
+        )
         # Row: sum_c x[s, c] <= avail[s].
         run_rows = n_row + np.arange(s_count)
         n_row += s_count
@@ -418,7 +510,9 @@ def _solve(
     cols.append(all_x_cols)
     vals.append(np.concatenate(x_gpus))
     b_ub.append(np.full(num_slots, float(config.capacity_gpus)))
+    capacity_rows = n_row + np.arange(num_slots)
     n_row += num_slots
+    budget_rows: list[tuple[int, float, float, float]] = []
     # Budget rows: sum P kg_per_w x over the window's slots <= kg.
     power_kg = np.concatenate(x_power) * kg_per_w[slot_of_x]
     for w_from, w_to, kg in windows:
@@ -429,6 +523,7 @@ def _solve(
         cols.append(all_x_cols[inside])
         vals.append(power_kg[inside])
         b_ub.append(np.array([kg]))
+        budget_rows.append((n_row, w_from, w_to, kg))
         n_row += 1
     c_vec = np.concatenate(cost)
     lb = np.concatenate(lower)
@@ -440,29 +535,19 @@ def _solve(
     ec = np.concatenate(eq_cols)
     a_eq = sp.csr_array((np.ones(len(ec)), (np.concatenate(eq_rows), ec)), shape=(len(jobs), n_var))
     b_eq = np.ones(len(jobs))
-    res = linprog(
+    return LpModel(
         c_vec,
-        A_ub=a_ub,
-        b_ub=b_vec,
-        A_eq=a_eq,
-        b_eq=b_eq,
-        bounds=np.column_stack([lb, ub]),
-        method="highs",
-    )
-    if res.status != 0:
-        raise BoundError(f"JCT bound LP ended with status {res.status}: {res.message}")
-    # Weak duality with any multipliers (y_ub <= 0 as scipy signs them): a bound for sure.
-    y_ub = np.minimum(np.asarray(res.ineqlin.marginals), 0.0)
-    y_eq = np.asarray(res.eqlin.marginals)
-    reduced = c_vec - a_ub.T @ y_ub - a_eq.T @ y_eq
-    dual = float(np.minimum(reduced * lb, reduced * ub).sum() + y_ub @ b_vec + y_eq @ b_eq)
-    tail = float(res.x[np.asarray(tail_cols)].sum())
-    return _Solved(
-        bound_sum_s=dual,
-        primal_sum_s=float(res.fun),
-        tail_work=tail,
-        slots=num_slots,
-        variables=n_var,
+        a_ub,
+        b_vec,
+        a_eq,
+        b_eq,
+        lb,
+        ub,
+        edges,
+        job_cols,
+        kg_per_w,
+        capacity_rows,
+        budget_rows,
     )
 
 
@@ -629,3 +714,228 @@ def _least_done_integral_s(
             else:
                 pending.append((float(a), float(b)))
     return min(leaves, best)
+
+
+@dataclass(frozen=True)
+class MipJctBound:
+    """`avg_jct_lower_bound_mip`'s answer: the MIP's best bound, whether or not it closed."""
+
+    avg_jct_s: float  # the bound: min(MIP dual bound, until_s - last release) / jobs
+    lp_avg_jct_s: float  # the plain LP's bound on the same slots (avg_jct_lower_bound's terms)
+    incumbent_avg_jct_s: float | None  # the best MIP solution found (not a bound), if any
+    closed: bool  # the MIP was solved to its gap (else stopped at the time limit)
+    mip_gap: float | None
+    nodes: int | None
+    binary_jobs: int
+    binaries: int
+    variables: int
+    horizon_s: float
+    segment_s: float
+    solve_s: float
+
+
+def avg_jct_lower_bound_mip(
+    jobs: list[TraceJob],
+    series: IntensitySeries,
+    profiles: dict[str, ScalingProfile],
+    config: SimulationConfig,
+    *,
+    binary_jobs: Collection[str] | None = None,
+    segment_s: float = 6 * 3600.0,
+    horizon_s: float,
+    time_limit_s: float = 600.0,
+    job_span_s: float | None = None,
+    full_horizon_jobs: Collection[str] | None = None,
+    segments: int = SEGMENTS,
+    display: bool = False,
+) -> MipJctBound:
+    """The LP of `avg_jct_lower_bound` plus completion integrality for `binary_jobs` (None:
+    all), solved as a MIP; the answer is the MIP's dual (best) bound, valid when stopped early.
+    `job_span_s`: the slots of jobs not in `full_horizon_jobs` end that long after their release
+    (build_lp's job_ends; a binary job's last segment then ends there, and not being done by
+    then costs it that span, which its JCT then exceeds).
+
+    Segment ends T_k are start_s + k * segment_s (and the horizon); slots are also cut there.
+    For a job j with binaries, per segment k of [r, H] (length L_k after r):
+    - F_k = the work fraction done by T_k (the sum of the LP's per-slot progress);
+    - z_k binary, z_k <= F_k, z_k <= z_(k+1): in a replay z_k = [C <= T_k] satisfies both (a job
+      done by T_k has F_k = 1), and z_k = 0 where T_k is before its earliest finish;
+    - JCT >= sum_k L_k (1 - z_k): with z the true indicator the sum is T_(k*-1) - r <= C - r,
+      k* the segment the job finishes in (H - r when it finishes past H);
+    - JCT >= (the LP's undone-work term) + sum_k W_k, W_k >= 0,
+      W_k >= L_k F_(k-1) + sum_(s in k) y_s (the time left in k after slot s) - L_k z_k:
+      C - r = int_r^C (1 - f) + int_r^C f; the first is at least the undone-work term (module
+      docstring); for each segment k entirely before C (z_k = 0), int over k of f is at least
+      sum over its slots s of (slot time after r) * (f at the slot's start) = the expression
+      with z_k = 0; where z_k = 1 the expression is <= 0 (F <= 1), so W_k = max(0, expr) is
+      at most int over k of f, and the segments before C are disjoint parts of [r, C).
+    Every replay within the budget finishing every job by until_s therefore maps to a feasible
+    point of the MIP with objective <= its JCT sum, as for the LP; later finishes are covered by
+    min(., until_s - last release) as in `avg_jct_lower_bound`. The MIP's dual bound comes from
+    HiGHS (primal feasibility tolerances apply: unlike the LP it is not re-derived from duals).
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    start_s, _, periods = run_budget_periods(config, jobs)
+    tables = [job_tables(j, profiles, config.capacity_gpus) for j in jobs]
+    clock = CarbonClock(series, config.pue)
+    began = time.perf_counter()
+    last_release = max(j.submission_s for j in jobs)
+    until_s = last_release + 4 * (horizon_s - start_s)
+    limits = _all_limits(jobs, tables, clock, config, periods, start_s, until_s)
+    count = math.ceil((horizon_s - start_s) / segment_s)
+    grid = np.array([start_s + k * segment_s for k in range(1, count)] + [horizon_s])
+    # Jobs without binaries get their own horizon (their tail past it costs its distance from
+    # the release and uses nothing: a relaxation, see build_lp), to keep the model small.
+    job_ends = [
+        horizon_s
+        if job_span_s is None or (full_horizon_jobs is not None and job.job_id in full_horizon_jobs)
+        else min(horizon_s, job.submission_s + job_span_s)
+        for job in jobs
+    ]
+    model = build_lp(
+        jobs,
+        tables,
+        clock,
+        config,
+        periods,
+        start_s,
+        horizon_s,
+        segments,
+        limits,
+        until_s,
+        np.concatenate([grid, job_ends]),
+        job_ends,
+    )
+    edges = model.edges
+    begin, end = edges[:-1], edges[1:]
+    n_var = len(model.c)
+    extra_lb: list[float] = []
+    extra_ub: list[float] = []
+    extra_int: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    row_lb: list[float] = []
+    row_ub: list[float] = []
+
+    def new_var(lo: float, hi: float, integer: bool = False) -> int:
+        nonlocal n_var
+        extra_lb.append(lo)
+        extra_ub.append(hi)
+        extra_int.append(1 if integer else 0)
+        n_var += 1
+        return n_var - 1
+
+    def add_row(entries: list[tuple[int, float]], lo: float, hi: float) -> None:
+        r = len(row_lb)
+        for col, val in entries:
+            rows.append(r)
+            cols.append(col)
+            vals.append(val)
+        row_lb.append(lo)
+        row_ub.append(hi)
+
+    chosen = 0
+    binaries = 0
+    for job, limit, jc in zip(jobs, limits, model.jobs, strict=True):
+        if binary_jobs is not None and job.job_id not in binary_jobs:
+            continue
+        chosen += 1
+        release = job.submission_s
+        earliest = release + limit.earliest_jct_s
+        job_end = float(edges[jc.end_slot])
+        seg_ends = [float(t) for t in grid if release < t < job_end - 1e-3] + [job_end]
+        seg_starts = [release, *seg_ends[:-1]]
+        slot_ids = np.arange(jc.first_slot, jc.end_slot)
+        after = np.maximum(begin[slot_ids], release)
+        slot_time = np.maximum(end[slot_ids] - after, 0.0)
+        f_prev: int | None = None
+        z_prev: int | None = None
+        completion: list[tuple[int, float]] = []
+        total_len = 0.0
+        w_cols: list[int] = []
+        for seg_from, seg_to in zip(seg_starts, seg_ends, strict=True):
+            length = seg_to - seg_from
+            inside = np.nonzero(
+                (end[slot_ids] > seg_from + 1e-6) & (end[slot_ids] <= seg_to + 1e-6)
+            )[0]
+            f_col = new_var(0.0, 1.0)
+            z_col = new_var(0.0, 0.0 if seg_to < earliest - 1e-6 else 1.0, integer=True)
+            w_col = new_var(0.0, length)
+            binaries += 1
+            # F_k = F_(k-1) + progress in the segment's slots.
+            entries = [(f_col, 1.0)] + ([(f_prev, -1.0)] if f_prev is not None else [])
+            # Time in the segment after each slot (for f at the slot's start, weighted).
+            times = slot_time[inside]
+            later = np.concatenate([np.cumsum(times[::-1])[::-1][1:], [0.0]])
+            w_entries: list[tuple[int, float]] = [(w_col, -1.0), (z_col, -length)]
+            if f_prev is not None:
+                w_entries.append((f_prev, length))
+            for i, t_after in zip(inside, later, strict=True):
+                for col in jc.progress[i]:
+                    entries.append((int(col), -1.0))
+                    if t_after > 0:
+                        w_entries.append((int(col), float(t_after)))
+            add_row(entries, 0.0, 0.0)
+            add_row([(z_col, 1.0), (f_col, -1.0)], -np.inf, 0.0)
+            if z_prev is not None:
+                add_row([(z_prev, 1.0), (z_col, -1.0)], -np.inf, 0.0)
+            add_row(w_entries, -np.inf, 0.0)
+            completion.append((z_col, -length))
+            total_len += length
+            w_cols.append(w_col)
+            f_prev, z_prev = f_col, z_col
+        add_row([(jc.jct, -1.0), *completion], -np.inf, -total_len)
+        undone = [(int(c), float(v)) for c, v in zip(jc.undone_cols, jc.undone_vals, strict=True)]
+        add_row([(jc.jct, -1.0), *undone, *((w, 1.0) for w in w_cols)], -np.inf, 0.0)
+    n_extra = len(extra_lb)
+    base_vars = len(model.c)
+    c_vec = np.concatenate([model.c, np.zeros(n_extra)])
+    a_ub = sp.hstack([model.a_ub, sp.csr_array((model.a_ub.shape[0], n_extra))])
+    a_eq = sp.hstack([model.a_eq, sp.csr_array((model.a_eq.shape[0], n_extra))])
+    a_new = sp.csr_array((vals, (rows, cols)), shape=(len(row_lb), n_var))
+    constraints = [
+        LinearConstraint(a_ub, -np.inf, model.b_ub),
+        LinearConstraint(a_eq, model.b_eq, model.b_eq),
+        LinearConstraint(a_new, np.array(row_lb), np.array(row_ub)),
+    ]
+    integrality = np.concatenate([np.zeros(base_vars), np.array(extra_int)])
+    bounds = Bounds(
+        np.concatenate([model.lb, np.array(extra_lb)]),
+        np.concatenate([model.ub, np.array(extra_ub)]),
+    )
+    lp = linprog(
+        model.c,
+        A_ub=model.a_ub,
+        b_ub=model.b_ub,
+        A_eq=model.a_eq,
+        b_eq=model.b_eq,
+        bounds=np.column_stack([model.lb, model.ub]),
+        method="highs",
+    )
+    res = milp(
+        c_vec,
+        constraints=constraints,
+        integrality=integrality,
+        bounds=bounds,
+        options={"time_limit": time_limit_s, "disp": display},
+    )
+    dual = getattr(res, "mip_dual_bound", None)
+    if dual is None or not math.isfinite(dual):
+        raise BoundError(f"JCT bound MIP gave no dual bound (status {res.status}: {res.message})")
+    n = len(jobs)
+    return MipJctBound(
+        avg_jct_s=float(min(dual, until_s - last_release) / n),
+        lp_avg_jct_s=float(lp.fun / n) if lp.status == 0 else math.nan,
+        incumbent_avg_jct_s=float(res.fun / n) if res.x is not None else None,
+        closed=res.status == 0,
+        mip_gap=getattr(res, "mip_gap", None),
+        nodes=getattr(res, "mip_node_count", None),
+        binary_jobs=chosen,
+        binaries=binaries,
+        variables=n_var,
+        horizon_s=horizon_s,
+        segment_s=segment_s,
+        solve_s=time.perf_counter() - began,
+    )

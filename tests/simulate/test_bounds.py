@@ -13,8 +13,14 @@ from hypothesis import strategies as st
 from energy_model.carbon.series import IntensitySeries, load_intensity_csv
 from energy_model.profiles import ScalingProfile, load_scaling_profiles
 from scheduler_service.allocation.policies import POLICIES
-from scheduler_service.simulate.bounds import SEGMENTS, avg_jct_lower_bound, job_limits
+from scheduler_service.simulate.bounds import (
+    SEGMENTS,
+    avg_jct_lower_bound,
+    avg_jct_lower_bound_mip,
+    job_limits,
+)
 from scheduler_service.simulate.engine import CarbonClock, SimulationConfig, simulate_trace
+from scheduler_service.simulate.lagrangian_bound import avg_jct_lagrangian_bound
 from scheduler_service.simulate.trace import TraceJob, job_tables, load_trace
 
 T0 = datetime(2021, 1, 1, tzinfo=UTC)
@@ -229,3 +235,91 @@ def test_a_horizon_too_short_still_gives_a_lower_bound() -> None:
     assert short.avg_jct_s <= grown.avg_jct_s
     report = simulate_trace(jobs, series, TOY, config)
     assert full.avg_jct_s <= report.avg_jct_all_s  # type: ignore[operator]
+
+
+def test_completion_mip_bound_is_below_every_capped_policy_and_above_the_lp() -> None:
+    # The small contended trace under a daily budget: the MIP adds completion indicators (1-h
+    # segments) to the LP, so its bound is at least the LP's and still below every policy.
+    series = hourly([400.0, 50.0, 200.0, 120.0] * 6)
+    jobs = [
+        toy_job("a", 0.0, 108_000, 9000.0),
+        toy_job("b", 500.0, 54_000),
+        toy_job("c", 1300.0, 200_000, 20_000.0),
+        toy_job("d", 4000.0, 30_000),
+        toy_job("e", 4100.0, 150_000),
+    ]
+    base = SimulationConfig("carbon-agnostic", 1, 4, horizon_slots=16, time_limit_s=0.5)
+    reference = simulate_trace(jobs, series, TOY, replace(base, best_effort=True))
+    capped = replace(
+        base, best_effort=True, budget_kg=reference.emissions_kg * 0.5, budget_period="day"
+    )
+    lp = avg_jct_lower_bound(jobs, series, TOY, capped)
+    mip = avg_jct_lower_bound_mip(
+        jobs, series, TOY, capped, segment_s=3600.0, horizon_s=lp.horizon_s, time_limit_s=60.0
+    )
+    assert mip.closed and mip.binaries > 0
+    assert mip.avg_jct_s >= lp.avg_jct_s - 1e-6 * lp.avg_jct_s
+    for policy in POLICIES:
+        report = simulate_trace(jobs, series, TOY, replace(capped, policy=policy))
+        assert report.unfinished == 0 and report.budget_violations == 0, policy
+        assert report.avg_jct_all_s is not None
+        assert mip.avg_jct_s <= report.avg_jct_all_s * (1 + 1e-9), (policy, mip)
+
+
+def test_lagrangian_bound_is_exact_on_one_job_and_below_every_policy() -> None:
+    # One job alone (no budget): its run time at full speed (3,600 s), as for the LP.
+    series = hourly([300.0, 80.0, 120.0])
+    config = SimulationConfig(policy="carbon-agnostic", num_nodes=1, gpus_per_node=4)
+    one = [toy_job("a", 7200.0, 108_000)]
+    horizon = avg_jct_lower_bound(one, series, TOY, config).horizon_s
+    alone = avg_jct_lagrangian_bound(one, series, TOY, config, horizon_s=horizon, iterations=3)
+    assert alone.avg_jct_s == pytest.approx(3600.0, abs=1.0)
+    assert alone.avg_jct_s <= 3600.0 + 1e-6
+    # The small contended trace, best effort uncapped and under a daily budget: above the LP
+    # (exact completion times instead of the fluid terms) and below every policy.
+    series = hourly([400.0, 50.0, 200.0, 120.0] * 6)
+    jobs = [
+        toy_job("a", 0.0, 108_000, 9000.0),
+        toy_job("b", 500.0, 54_000),
+        toy_job("c", 1300.0, 200_000, 20_000.0),
+        toy_job("d", 4000.0, 30_000),
+        toy_job("e", 4100.0, 150_000),
+    ]
+    base = SimulationConfig(
+        "carbon-agnostic", 1, 4, horizon_slots=16, time_limit_s=0.5, best_effort=True
+    )
+    reference = simulate_trace(jobs, series, TOY, base)
+    capped = replace(base, budget_kg=reference.emissions_kg * 0.5, budget_period="day")
+    for config in (base, capped):
+        lp = avg_jct_lower_bound(jobs, series, TOY, config)
+        lag = avg_jct_lagrangian_bound(
+            jobs, series, TOY, config, horizon_s=lp.horizon_s, iterations=20
+        )
+        assert lag.avg_jct_s >= lp.avg_jct_s
+        for policy in POLICIES:
+            report = simulate_trace(jobs, series, TOY, replace(config, policy=policy))
+            assert report.unfinished == 0 and report.budget_violations == 0, policy
+            assert lag.avg_jct_s <= report.avg_jct_all_s * (1 + 1e-9), (policy, lag)  # type: ignore[operator]
+
+
+def test_lagrangian_bound_is_below_every_capped_policy_on_a_public_trace_slice(
+    shared_data: Path,
+) -> None:
+    ef = shared_data / "elasticflow"
+    jobs = load_trace(ef / "itp" / "cluster01.csv", limit=12)
+    series = load_intensity_csv(shared_data / "carbon" / "electricitymaps" / "ES_2021_hourly.csv")
+    profiles = load_scaling_profiles(ef / "throughputs_A100")
+    base = SimulationConfig(
+        "carbon-agnostic", 1, 8, horizon_slots=24, time_limit_s=0.5, best_effort=True
+    )
+    reference = simulate_trace(jobs, series, profiles, base)
+    capped = replace(base, budget_kg=reference.emissions_kg * 0.5, budget_period="day")
+    lp = avg_jct_lower_bound(jobs, series, profiles, capped)
+    lag = avg_jct_lagrangian_bound(
+        jobs, series, profiles, capped, horizon_s=lp.horizon_s, iterations=20
+    )
+    assert lag.avg_jct_s >= lp.avg_jct_s
+    for policy in POLICIES:
+        report = simulate_trace(jobs, series, profiles, replace(capped, policy=policy))
+        assert report.unfinished == 0 and report.budget_violations == 0, policy
+        assert lag.avg_jct_s <= report.avg_jct_all_s * (1 + 1e-9), (policy, lag)  # type: ignore[operator]
