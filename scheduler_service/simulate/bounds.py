@@ -67,6 +67,7 @@ import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -329,6 +330,18 @@ class LpModel:
     capacity_rows: np.ndarray  # per slot: its capacity row in a_ub
     budget_rows: list[tuple[int, float, float, float]]  # (row, from_s, to_s, kg) per window
 
+    def solve(self) -> Any:
+        """The LP solved by HiGHS (scipy's OptimizeResult; check its status)."""
+        return linprog(
+            self.c,
+            A_ub=self.a_ub,
+            b_ub=self.b_ub,
+            A_eq=self.a_eq,
+            b_eq=self.b_eq,
+            bounds=np.column_stack([self.lb, self.ub]),
+            method="highs",
+        )
+
 
 def _solve(
     jobs: list[TraceJob],
@@ -348,15 +361,7 @@ def _solve(
     )
     c_vec, a_ub, b_vec, a_eq, b_eq = model.c, model.a_ub, model.b_ub, model.a_eq, model.b_eq
     lb, ub = model.lb, model.ub
-    res = linprog(
-        c_vec,
-        A_ub=a_ub,
-        b_ub=b_vec,
-        A_eq=a_eq,
-        b_eq=b_eq,
-        bounds=np.column_stack([lb, ub]),
-        method="highs",
-    )
+    res = model.solve()
     if res.status != 0:
         raise BoundError(f"JCT bound LP ended with status {res.status}: {res.message}")
     # Weak duality with any multipliers (y_ub <= 0 as scipy signs them): a bound for sure.
@@ -905,15 +910,7 @@ def avg_jct_lower_bound_mip(
         np.concatenate([model.lb, np.array(extra_lb)]),
         np.concatenate([model.ub, np.array(extra_ub)]),
     )
-    lp = linprog(
-        model.c,
-        A_ub=model.a_ub,
-        b_ub=model.b_ub,
-        A_eq=model.a_eq,
-        b_eq=model.b_eq,
-        bounds=np.column_stack([model.lb, model.ub]),
-        method="highs",
-    )
+    lp = model.solve()
     res = milp(
         c_vec,
         constraints=constraints,

@@ -235,15 +235,7 @@ def avg_jct_lagrangian_bound(
     model = build_lp(
         jobs, tables, clock, config, periods, start_s, horizon_s, SEGMENTS, limits, until_s
     )
-    res = linprog(
-        model.c,
-        A_ub=model.a_ub,
-        b_ub=model.b_ub,
-        A_eq=model.a_eq,
-        b_eq=model.b_eq,
-        bounds=np.column_stack([model.lb, model.ub]),
-        method="highs",
-    )
+    res = model.solve()
     if res.status != 0:
         raise BoundError(f"LP ended with status {res.status}: {res.message}")
     marg = -np.asarray(res.ineqlin.marginals)

@@ -154,6 +154,19 @@ def test_job_floors_hold_for_any_schedule_within_the_windows(
     assert limits.done_integral_s >= 0.5 * job.total_samples / max(rate.values()) - 1e-6
 
 
+def contended_trace() -> tuple[IntensitySeries, list[TraceJob]]:
+    """Five jobs on 4 GPUs, arrivals inside slots, two with deadlines, a varying intensity."""
+    series = hourly([400.0, 50.0, 200.0, 120.0] * 6)
+    jobs = [
+        toy_job("a", 0.0, 108_000, 9000.0),
+        toy_job("b", 500.0, 54_000),
+        toy_job("c", 1300.0, 200_000, 20_000.0),
+        toy_job("d", 4000.0, 30_000),
+        toy_job("e", 4100.0, 150_000),
+    ]
+    return series, jobs
+
+
 def check_every_policy(
     jobs: list[TraceJob],
     series: IntensitySeries,
@@ -200,14 +213,7 @@ def check_every_policy(
 
 def test_bound_is_below_every_policy_on_a_small_contended_trace() -> None:
     # Five jobs on 4 GPUs, arrivals inside slots, two with deadlines, a varying intensity.
-    series = hourly([400.0, 50.0, 200.0, 120.0] * 6)
-    jobs = [
-        toy_job("a", 0.0, 108_000, 9000.0),
-        toy_job("b", 500.0, 54_000),
-        toy_job("c", 1300.0, 200_000, 20_000.0),
-        toy_job("d", 4000.0, 30_000),
-        toy_job("e", 4100.0, 150_000),
-    ]
+    series, jobs = contended_trace()
     check_every_policy(jobs, series, TOY, (1, 4), horizon_slots=16)
 
 
@@ -240,14 +246,7 @@ def test_a_horizon_too_short_still_gives_a_lower_bound() -> None:
 def test_completion_mip_bound_is_below_every_capped_policy_and_above_the_lp() -> None:
     # The small contended trace under a daily budget: the MIP adds completion indicators (1-h
     # segments) to the LP, so its bound is at least the LP's and still below every policy.
-    series = hourly([400.0, 50.0, 200.0, 120.0] * 6)
-    jobs = [
-        toy_job("a", 0.0, 108_000, 9000.0),
-        toy_job("b", 500.0, 54_000),
-        toy_job("c", 1300.0, 200_000, 20_000.0),
-        toy_job("d", 4000.0, 30_000),
-        toy_job("e", 4100.0, 150_000),
-    ]
+    series, jobs = contended_trace()
     base = SimulationConfig("carbon-agnostic", 1, 4, horizon_slots=16, time_limit_s=0.5)
     reference = simulate_trace(jobs, series, TOY, replace(base, best_effort=True))
     capped = replace(
@@ -277,14 +276,7 @@ def test_lagrangian_bound_is_exact_on_one_job_and_below_every_policy() -> None:
     assert alone.avg_jct_s <= 3600.0 + 1e-6
     # The small contended trace, best effort uncapped and under a daily budget: above the LP
     # (exact completion times instead of the fluid terms) and below every policy.
-    series = hourly([400.0, 50.0, 200.0, 120.0] * 6)
-    jobs = [
-        toy_job("a", 0.0, 108_000, 9000.0),
-        toy_job("b", 500.0, 54_000),
-        toy_job("c", 1300.0, 200_000, 20_000.0),
-        toy_job("d", 4000.0, 30_000),
-        toy_job("e", 4100.0, 150_000),
-    ]
+    series, jobs = contended_trace()
     base = SimulationConfig(
         "carbon-agnostic", 1, 4, horizon_slots=16, time_limit_s=0.5, best_effort=True
     )
