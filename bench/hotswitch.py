@@ -1,7 +1,14 @@
 """Hot-switch cost: switch time, bytes moved vs the lower bound, bandwidth vs a plain p2p copy of
 the same bytes, and the checkpoint-and-restart alternative. Prints JSON.
 
-    python bench/hotswitch.py [--quick] [--sizes 10M,50M,100M,250M,500M] [--no-p2p-compare]
+    python -m bench.hotswitch [--quick] [--model gpt2-124m,llama-350m,bert-base,resnet50]
+    python -m bench.hotswitch --sizes 10M,50M,100M,250M,500M [--no-p2p-compare]
+    python -m bench.hotswitch --nodes N [--quick] [--rate 1gbit]   (root: network namespaces)
+
+`--model` (the default) runs real architectures at real sizes (`bench/hotswitch_models.py`),
+with the training time a switch costs a job that keeps training; `--quick` is GPT-2 124M
+tp2 <-> pp2. `--sizes` runs the functional GPT presets of earlier runs, with the bandwidth
+comparisons against plain copies.
 
 Workers are CPU processes on gloo (loopback); on a GPU node the same code runs on NCCL. All
 workers here are on one node with their state in shared memory, so the default runner moves
@@ -26,9 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_agent.runtime.layout import Layout
-from worker_agent.runtime.pool import JobRunner, SwitchReport
+from bench.hotswitch_models import DEFINITIONS as MODEL_DEFINITIONS
+from bench.hotswitch_models import MODEL_PAIRS, QUICK, run_model_pair
 from worker_agent.runtime.presets import JobSpec, build_job
+from worker_agent.runtime.runner import JobRunner, SwitchReport
+from worker_agent.sharding import Layout
 
 # GPT presets sized to ~10 M, ~50 M, ~100 M, ~250 M parameters.
 SIZES: dict[str, dict[str, int]] = {
@@ -230,8 +239,17 @@ def _median(xs: list[float]) -> float | None:
 def main() -> None:
     """Run the cases and print one JSON document."""
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="one small model, one pair (< 1 min)")
-    ap.add_argument("--sizes", default="10M,50M,100M,250M", help=f"comma list of {list(SIZES)}")
+    ap.add_argument("--quick", action="store_true", help="GPT-2 124M, tp2 <-> pp2 (a few min)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"comma list of {list(MODEL_PAIRS)} (the default: all of them)",
+    )
+    ap.add_argument("--window-s", type=float, default=8.0, help="step-rate window (--model)")
+    ap.add_argument("--no-lost", action="store_true", help="skip the training-time-lost cases")
+    ap.add_argument(
+        "--sizes", default=None, help=f"functional GPT presets instead: comma list of {list(SIZES)}"
+    )
     ap.add_argument(
         "--no-fused-compare",
         action="store_true",
@@ -242,10 +260,25 @@ def main() -> None:
         action="store_true",
         help="skip the reruns with transport='p2p' (every byte as a gloo message)",
     )
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="switch between N nodes (network namespaces on shaped veth links; bench/hotswitch_nodes.py)",
+    )
+    ap.add_argument("--rate", default="1gbit", help="--nodes: tc tbf rate of each node's link")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    sizes = ["10M"] if args.quick else args.sizes.split(",")
-    pairs = PAIRS_QUICK if args.quick else PAIRS_FULL
+    if args.nodes is not None:
+        from bench.hotswitch_nodes import nodes_main
+
+        nodes_main(args.nodes, args.quick, args.rate)
+        return
+    if args.sizes is None:
+        models_main(args.model, args.quick, args.window_s, not args.no_lost)
+        return
+    sizes = args.sizes.split(",")
+    pairs = PAIRS_FULL
     cases: list[dict[str, Any]] = []
     started = time.perf_counter()
     load_start = os.getloadavg()
@@ -325,6 +358,50 @@ def main() -> None:
                     "p2p_variant_median_bandwidth_ratio": _median(
                         [c["bandwidth_ratio"] for c in p2p]
                     ),
+                    "bench_s": round(time.perf_counter() - started, 1),
+                    "loadavg_start": [round(x, 2) for x in load_start],
+                    "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+                },
+            },
+            indent=2,
+        )
+    )
+
+
+def models_main(models: str | None, quick: bool, window_s: float, lost: bool) -> None:
+    """The real-architecture cases (`bench/hotswitch_models.py`) as one JSON document."""
+    chosen = QUICK if quick else MODEL_PAIRS
+    if models is not None:
+        chosen = {m: MODEL_PAIRS[m] for m in models.split(",")}
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    cases: list[dict[str, Any]] = []
+    failed: list[dict[str, str]] = []
+    for model, pairs in chosen.items():
+        for pair in pairs:
+            try:
+                cases += run_model_pair(model, pair, window_s, lost)
+            except Exception as exc:  # one failed pair (e.g. out of memory) is reported
+                failed.append({"case": f"{model} {pair[1]}<->{pair[3]}", "error": f"{exc}"[:500]})
+    speedups = [c["speedup_vs_restart"] for c in cases]
+    lost_s = [c["lost_s"] for c in cases if "lost_s" in c]
+    print(
+        json.dumps(
+            {
+                "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 torch thread/worker,"
+                f" backend gloo (loopback), torch {torch.__version__}",
+                "definitions": MODEL_DEFINITIONS,
+                "cases": cases,
+                "failed": failed,
+                "summary": {
+                    "bytes_moved_equals_lower_bound": all(
+                        c["bytes_moved"] == c["bytes_lower_bound"] for c in cases
+                    ),
+                    "min_speedup_vs_restart": min(speedups, default=None),
+                    "median_speedup_vs_restart": _median(speedups),
+                    "max_switch_s": max((c["switch_s"] for c in cases), default=None),
+                    "max_lost_s": max(lost_s, default=None),
+                    "median_lost_s": _median(lost_s),
                     "bench_s": round(time.perf_counter() - started, 1),
                     "loadavg_start": [round(x, 2) for x in load_start],
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()],

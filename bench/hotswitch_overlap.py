@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hotswitch import PAIRS_FULL, Pair, _restart, _spec
-
-from worker_agent.runtime.pool import JobRunner
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.hotswitch import PAIRS_FULL, Pair, _restart, _spec
+from worker_agent.runtime.runner import JobRunner
 
 DEFINITIONS = {
     "rate_steps_per_s": "steps/s of background training over `--window-s` just before the switch",

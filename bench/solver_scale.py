@@ -22,20 +22,28 @@ timed solve. Figures:
   side with its own M x misses taken out (raw figures, not a gap).
 - `--integer-bound` (slow, ~1 min per tick at 1,000 jobs): a lower bound on the best plan that
   books whole slots at allowed counts (Lagrangian relaxation of capacity, each job solved alone
-  exactly; scheduler_service/allocation/integer_bound.py), from the LP's capacity prices plus 15 subgradient steps:
+  exactly; bench/bounds/integer.py), from the LP's capacity prices plus 15 subgradient steps:
   `integer_bound_without_misses`, `integer_bound_over_lp` (how much of any plan's gap to the LP
   no integer plan can close) and `gap_to_integer_bound` (the plan's own distance to it, an upper
   bound on how far it is from the optimum). Only for plans that meet every deadline that can be
   met (the bound keeps them as constraints).
+- `steps_ran` / `plan_step`: the solver's steps that ran and the one whose plan it returned
+  (`+repair`/`+polish` when those improved it).
+- `--baseline-wins N`: on N random problems under budgets, how often the plan `solve` returns is
+  a baseline's (they are candidates), and how often solving without them is worse or better.
 Usage:
-    python bench/solver_scale.py [--data DIR] [--cases 100:256,1000:2048] [--seed 0]
+    python -m bench.solver_scale [--data DIR] [--cases 100:256,1000:2048] [--seed 0]
         [--time-limit-s 1.0] [--repeat 3] [--no-warm] [--integer-bound]
-    python bench/solver_scale.py --mip-check 60:128:12,150:512:12   # integrality gap (slow)
+    python -m bench.solver_scale --mip-check 60:128:12,150:512:12   # integrality gap (slow)
+    python -m bench.solver_scale --baseline-wins 50 --time-limit-s 0.5  # does a baseline win?
+    python -m bench.solver_scale --step-shares 100:256,300:1024,1000:2048 --ticks 8 \
+        --time-limits 0.5,1,5,10   # which step's plan wins, and the gap, per time limit
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -47,19 +55,23 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bounds.integer import capacity_duals, integer_bound
 from energy_model.carbon.series import load_intensity_csv
 from energy_model.power import job_power_w
 from energy_model.profiles import load_scaling_profiles
-from scheduler_service.allocation.integer_bound import capacity_duals, integer_bound
+from scheduler_service.allocation.highs import solve_lp, solve_mip
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
+    BudgetMode,
+    BudgetPeriod,
     JobSpec,
     PlanArrays,
     evaluate_gpus,
     relative_gap,
+    trim_after_finish,
 )
-from scheduler_service.allocation.solver import solve, solve_lp, solve_mip, trim_after_finish
+from scheduler_service.allocation.solver import solve, solve_with_baselines
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SLOT_S = 1800.0
@@ -155,12 +167,15 @@ def measure(
 ) -> tuple[dict[str, object], AllocationPlan]:
     """Timed solves (repeated) and the plan's figures against the LP bound (solved untimed)."""
     times = []
-    plan = None
+    result = None
     for _ in range(repeat):
         began = time.perf_counter()
-        plan = solve(problem, previous=previous, time_limit_s=time_limit_s, seed=seed)
+        result = solve_with_baselines(
+            problem, previous=previous, time_limit_s=time_limit_s, seed=seed
+        )
         times.append(time.perf_counter() - began)
-    assert plan is not None
+    assert result is not None
+    plan = result.plan
     began = time.perf_counter()
     lp = solve_lp(problem, PlanArrays(problem))
     lp_s = time.perf_counter() - began
@@ -186,6 +201,8 @@ def measure(
         "lp_bound_without_misses": round(rest_bound, 1),
         "lp_s_untimed": round(lp_s, 2),
         "gpu_changes": plan.gpu_changes,
+        "steps_ran": list(result.ran),
+        "plan_step": result.chosen,
     }
     if integer and misses == impossible:
         began = time.perf_counter()
@@ -277,6 +294,132 @@ def mip_check(
     return out
 
 
+# Plan origins that are the OR-Tools model's (the LP's roundings and the MIPs).
+ORTOOLS_STEPS = ("lp_ceil", "lp_nearest", "near_mip", "exact_mip")
+
+
+def step_shares(
+    num_jobs: int,
+    gpus: int,
+    data: Path,
+    seed: int,
+    time_limit_s: float,
+    ticks: int,
+    work_h: tuple[float, float] = WORK_H,
+) -> dict[str, object]:
+    """Which step produced the plan over `ticks` ticks (cold, then warm one slot later each),
+    the share whose plan came from the OR-Tools model (`ORTOOLS_STEPS`, refined or not) and the
+    gap to the LP bound of each tick (LP solved untimed)."""
+    rng = np.random.default_rng(seed)
+    problem = AllocationProblem(
+        start_at=datetime(2021, 1, 1, tzinfo=UTC),
+        slot_s=SLOT_S,
+        capacity_gpus=(gpus,) * SLOTS,
+        intensity_g_per_kwh=tuple(intensity_day(data)),
+        jobs=tuple(make_jobs(num_jobs, min(gpus, 64), data, rng, work_h)),
+    )
+    previous: AllocationPlan | None = None
+    origins: dict[str, int] = {}
+    chosen: list[str] = []
+    gaps: list[float] = []
+    solve_s: list[float] = []
+    for _ in range(ticks):
+        began = time.perf_counter()
+        result = solve_with_baselines(
+            problem, previous=previous, time_limit_s=time_limit_s, seed=seed
+        )
+        solve_s.append(time.perf_counter() - began)
+        lp = solve_lp(problem, PlanArrays(problem))
+        gaps.append(relative_gap(problem, result.plan.objective, lp.bound))
+        chosen.append(result.chosen)
+        origin = result.chosen.split("+")[0]
+        origins[origin] = origins.get(origin, 0) + 1
+        previous = result.plan
+        problem = next_tick(problem, result.plan)
+        if not problem.jobs:
+            break
+    ortools = sum(n for k, n in origins.items() if k in ORTOOLS_STEPS)
+    return {
+        "jobs": num_jobs,
+        "gpus": gpus,
+        "time_limit_s": time_limit_s,
+        "ticks": len(chosen),
+        "ortools_share": round(ortools / len(chosen), 3),
+        "plan_origin": dict(sorted(origins.items())),
+        "plan_step": chosen,
+        "gap_mean": round(statistics.fmean(gaps), 5),
+        "gap_max": round(max(gaps), 5),
+        "solve_s_mean": round(statistics.fmean(solve_s), 3),
+        "solve_s_max": round(max(solve_s), 3),
+    }
+
+
+def random_budget_problem(rng: np.random.Generator, data: Path) -> AllocationProblem:
+    """A problem like the property tests': 20-100 jobs, 8-48 slots, 16-128 GPUs, half of them
+    under 2-4 hard budget periods at 0-60 % of what a full cluster at 300 W/GPU would emit."""
+    num_jobs = int(rng.integers(20, 101))
+    gpus = int(rng.integers(16, 129))
+    slots = int(rng.integers(8, 49))
+    jobs = make_jobs(num_jobs, min(gpus, 64), data, rng, (0.5, 6.0))
+    intensity = np.array((intensity_day(data) * 2)[:slots])
+    periods: list[BudgetPeriod] = []
+    mode = BudgetMode.SOFT
+    if rng.random() < 0.5:
+        mode = BudgetMode.HARD
+        cuts = np.sort(rng.uniform(0.0, slots * SLOT_S, int(rng.integers(1, 4))))
+        edges = [0.0, *cuts, slots * SLOT_S]
+        full_kg = gpus * 300.0 * intensity * SLOT_S / 3.6e9
+        starts = np.arange(slots) * SLOT_S
+        for lo, hi in itertools.pairwise(edges):
+            share = np.clip(np.minimum(starts + SLOT_S, hi) - np.maximum(starts, lo), 0, None)
+            kg = float((full_kg * share / SLOT_S).sum()) * float(rng.uniform(0.0, 0.6))
+            periods.append(BudgetPeriod(float(lo), float(hi), kg))
+    return AllocationProblem(
+        start_at=datetime(2021, 1, 1, tzinfo=UTC),
+        slot_s=SLOT_S,
+        capacity_gpus=(gpus,) * slots,
+        intensity_g_per_kwh=tuple(float(x) for x in intensity),
+        jobs=tuple(jobs),
+        budget_periods=tuple(periods),
+        budget_mode=mode,
+        carbon_price_s_per_kg=float(rng.choice([0.0, 500.0])),
+        change_cost_s=30.0,
+    )
+
+
+def baseline_wins(count: int, data: Path, seed: int, time_limit_s: float) -> dict[str, object]:
+    """How often a baseline's plan is `solve`'s answer, and what solving without them costs.
+
+    On `count` random problems (`random_budget_problem`): the step that produced each plan,
+    how many times that was a baseline, and how many times `solve(use_baselines=False)` is
+    worse or better on the objective than `solve` with them (the baselines take a share of the
+    time budget from the other steps, so either can happen).
+    """
+    chosen: dict[str, int] = {}
+    worse = better = 0
+    worst = 0.0
+    for i in range(count):
+        problem = random_budget_problem(np.random.default_rng(seed + i), data)
+        full = solve_with_baselines(problem, time_limit_s=time_limit_s, seed=seed)
+        bare = solve(problem, time_limit_s=time_limit_s, seed=seed, use_baselines=False)
+        origin = full.chosen.split("+")[0]
+        chosen[origin] = chosen.get(origin, 0) + 1
+        if bare.objective > full.plan.objective * (1 + 1e-9):
+            worse += 1
+            worst = max(worst, bare.objective / full.plan.objective - 1)
+        elif bare.objective < full.plan.objective * (1 - 1e-9):
+            better += 1
+    return {
+        "problems": count,
+        "time_limit_s": time_limit_s,
+        "baseline_chosen": sum(n for k, n in chosen.items() if k.startswith("baseline:")),
+        "plan_step": dict(sorted(chosen.items())),
+        "worse_without_baselines": worse,
+        "worst_loss_without_baselines": round(worst, 5),
+        "better_without_baselines": better,
+    }
+
+
 def main() -> None:
     """Parse options, run every case, print JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -293,9 +436,22 @@ def main() -> None:
     )
     parser.add_argument("--mip-limit-s", type=float, default=300.0)
     parser.add_argument(
+        "--step-shares",
+        default="",
+        help="JOBS:GPUS,... which step's plan wins over --ticks ticks at each --time-limits limit",
+    )
+    parser.add_argument("--ticks", type=int, default=8)
+    parser.add_argument("--time-limits", default="0.5,1,5,10")
+    parser.add_argument(
+        "--baseline-wins",
+        type=int,
+        default=0,
+        help="N: on N random 20-100-job problems, how often a baseline's plan wins (no cases)",
+    )
+    parser.add_argument(
         "--integer-bound",
         action="store_true",
-        help="also a lower bound on the best whole-slot plan (slow; scheduler_service/allocation/integer_bound.py)",
+        help="also a lower bound on the best whole-slot plan (slow; bench/bounds/integer.py)",
     )
     parser.add_argument(
         "--work-hours",
@@ -306,6 +462,23 @@ def main() -> None:
     lo_h, hi_h = (float(x) for x in args.work_hours.split(":"))
     if not 0 < lo_h <= hi_h:
         parser.error(f"--work-hours must be LO:HI with 0 < LO <= HI, got {args.work_hours!r}")
+    if args.step_shares:
+        shares = []
+        for spec in args.step_shares.split(","):
+            jobs, gpus = (int(x) for x in spec.split(":"))
+            for limit in (float(x) for x in args.time_limits.split(",")):
+                shares.append(
+                    step_shares(jobs, gpus, args.data, args.seed, limit, args.ticks, (lo_h, hi_h))
+                )
+                print(json.dumps(shares[-1]), file=sys.stderr)
+        loads = [round(x, 2) for x in os.getloadavg()]
+        print(json.dumps({"step_shares": shares, "load_avg_1_5_15": loads}, indent=2))
+        return
+    if args.baseline_wins > 0:
+        wins = baseline_wins(args.baseline_wins, args.data, args.seed, args.time_limit_s)
+        wins["load_avg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+        print(json.dumps({"baseline_wins": wins}, indent=2))
+        return
     if args.mip_check:
         checks = []
         for spec in args.mip_check.split(","):

@@ -13,6 +13,8 @@ from typing import Protocol
 
 SECONDS_PER_HOUR = 3600.0
 WATTS_PER_KILOWATT = 1000.0
+J_PER_KWH = SECONDS_PER_HOUR * WATTS_PER_KILOWATT  # 3.6e6 J in one kWh
+GRAMS_PER_KG = 1000.0
 
 
 class StepSeries(Protocol):
@@ -66,7 +68,7 @@ def interval_emissions_kg(
     pue: float = 1.0,
 ) -> float:
     """Kilograms CO2e of constant `power_w` over [start_at, end_at) (see interval_emissions_g)."""
-    return interval_emissions_g(power_w, start_at, end_at, series, pue) / 1000.0
+    return interval_emissions_g(power_w, start_at, end_at, series, pue) / GRAMS_PER_KG
 
 
 def split_by_steps(

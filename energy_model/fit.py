@@ -24,8 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    # Each fit imports torch itself: loading it takes a second or more, and the scheduler's API
+    # (which imports the model types, not the fits) must start without it.
+    import torch
 
 # Relative noise assumed for one telemetry sample (log-space std); sets how fast data beats prior.
 DEFAULT_OBS_REL_STD = 0.05
@@ -58,12 +62,16 @@ class ThroughputParams:
 
     def as_log_tensor(self) -> torch.Tensor:
         """Log of the four coefficients (the space the fit works in)."""
+        import torch
+
         values = [self.compute_s_per_sample, self.overhead_s, self.allreduce_s, self.latency_s]
         return torch.tensor([math.log(max(v, 1e-12)) for v in values], dtype=torch.float64)
 
     @staticmethod
     def from_log_tensor(theta: torch.Tensor) -> ThroughputParams:
         """Inverse of `as_log_tensor`."""
+        import torch
+
         a, d, b, c = (float(x) for x in torch.exp(theta).tolist())
         return ThroughputParams(a, d, b, c)
 
@@ -83,12 +91,16 @@ class PowerParams:
 
     def as_log_tensor(self) -> torch.Tensor:
         """Log of the three coefficients."""
+        import torch
+
         values = [self.idle_w, self.dynamic_w, self.exponent]
         return torch.tensor([math.log(max(v, 1e-9)) for v in values], dtype=torch.float64)
 
     @staticmethod
     def from_log_tensor(theta: torch.Tensor) -> PowerParams:
         """Inverse of `as_log_tensor`."""
+        import torch
+
         idle, dyn, exp = (float(x) for x in torch.exp(theta).tolist())
         return PowerParams(idle, dyn, exp)
 
@@ -114,6 +126,8 @@ class PowerObs:
 
 
 def _minimise(theta0: torch.Tensor, loss_fn: object, max_iter: int = 200) -> torch.Tensor:
+    import torch
+
     theta = theta0.clone().requires_grad_(True)
     opt = torch.optim.LBFGS(
         [theta],
@@ -153,6 +167,8 @@ def fit_throughput_layouts(
     layout_log_std: float = LAYOUT_LOG_STD,
 ) -> tuple[ThroughputParams, tuple[float, ...]]:
     """As fit_throughput, plus one log speed factor per non-reference layout (index 1..n-1)."""
+    import torch
+
     if not observations:
         return prior, (0.0,) * n_layouts
     theta0 = torch.cat([prior.as_log_tensor(), torch.zeros(n_layouts - 1, dtype=torch.float64)])
@@ -191,6 +207,8 @@ def fit_power(
     obs_rel_std: float = DEFAULT_OBS_REL_STD,
 ) -> PowerParams:
     """MAP fit of the per-GPU power model to observed (utilisation, W) pairs."""
+    import torch
+
     if not observations:
         return prior
     theta0 = prior.as_log_tensor()

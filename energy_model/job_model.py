@@ -20,6 +20,8 @@ from energy_model.power import A100_POWER, GpuPowerSpec
 from energy_model.priors_data import BUSY_FRACTION, POWER_REL_STD, THROUGHPUT_PRIORS
 
 GENERIC_WORKLOAD = "generic"
+# Telemetry power sources that are the scheduler's own estimate, not a measurement.
+ESTIMATED_POWER_SOURCES = frozenset({"estimated"})
 # Unknown workloads (user entrypoints) get the geometric mean of the presets, far less certain.
 GENERIC_THROUGHPUT_REL_STD = 0.5
 # Log-space prior std of the model coefficients: presets are measured, generic is a guess.
@@ -74,6 +76,8 @@ class JobModel:
     workload: str = GENERIC_WORKLOAD
     source: str = "prior"  # "prior" or "fitted"
     samples_used: int = 0
+    # Samples with measured power the power model was fitted on (estimated ones never count).
+    power_samples_used: int = 0
     params: JobModelParams | None = field(default=None, compare=False)
     # Layout last seen at each count and each layout's speed relative to the reference layout
     # (the most used one); the throughput table already includes these factors.
@@ -109,6 +113,14 @@ class TelemetryPoint:
     power_w: float | None  # total of the job's GPUs; None where not measured
     at: datetime
     layout: str | None = None  # e.g. "dp4" or "dp2-tp2"; each layout gets a fitted speed factor
+    # Where power_w came from: "estimated" readings were computed from this very model (on
+    # simulated slots), so fitting them would only confirm the model; they never train it.
+    power_source: str = "measured"
+
+    @property
+    def power_measured(self) -> bool:
+        """Whether power_w is a measurement the power model may learn from."""
+        return self.power_w is not None and self.power_source not in ESTIMATED_POWER_SOURCES
 
 
 def resolve_workload(workload: str) -> str:
@@ -166,6 +178,7 @@ def model_from_params(
     samples_used: int = 0,
     layout_at: dict[int, str] | None = None,
     layout_speed_factor: dict[str, float] | None = None,
+    power_samples_used: int = 0,
 ) -> JobModel:
     """Tabulate a parametric model at the allowed GPU counts (with each count's layout factor)."""
     counts = tuple(sorted(set(allowed_gpus)))
@@ -190,6 +203,7 @@ def model_from_params(
         workload=params.workload,
         source=source,
         samples_used=samples_used,
+        power_samples_used=power_samples_used,
         params=params,
         layout_at={g: layout_at[g] for g in counts if g in layout_at},
         layout_speed_factor=dict(factors),
@@ -274,9 +288,7 @@ class JobModelFitter:
         speed = {name: math.exp(log_factors[i]) for name, i in index.items()}
         layout_at = {p.gpus: p.layout or "" for p in self.samples}  # latest sample wins
         single = throughput.samples_per_s(1, batch)
-        powered = [
-            (p, w) for p, w in zip(self.samples, weights, strict=True) if p.power_w is not None
-        ]
+        powered = [(p, w) for p, w in zip(self.samples, weights, strict=True) if p.power_measured]
         power = fit_power(
             [
                 PowerObs(p.samples_per_s / (p.gpus * single), p.power_w / p.gpus, w)
@@ -326,6 +338,7 @@ class JobModelFitter:
             p_std,
             source="fitted",
             samples_used=len(self.samples),
+            power_samples_used=len(powered),
             layout_at=layout_at,
             layout_speed_factor=speed,
         )

@@ -2,22 +2,47 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.orm import Session
 
 from energy_model.carbon.forecast import CarbonForecast, ForecastPoint, PointKind, Signal
 from energy_model.job_model import prior_job_model
+from scheduler_service.allocation.admission import (
+    AdmissionDecision,
+    HeldGpus,
+    admit,
+    admit_on_spare,
+)
 from scheduler_service.allocation.policies import get_policy
-from scheduler_service.allocation.problem import InvalidProblem, JobSpec, allowed_gpu_counts
-from scheduler_service.allocation.solver import AdmissionDecision, admit
+from scheduler_service.allocation.problem import (
+    AllocationPlan,
+    InvalidProblem,
+    JobSpec,
+    allowed_gpu_counts,
+)
+from scheduler_service.allocation.snapshot import PlannableJob, plan_job
 from scheduler_service.carbon.repository import CarbonRepository
+from scheduler_service.db.base import utcnow
+from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.schemas import JobSpec as JobRequest
-from scheduler_service.nodes.repository import NodeRepository
-from scheduler_service.planning import JobModels, build_problem
+from scheduler_service.planning import JobModels, PlanningInput, live_knobs, read_snapshot
 from scheduler_service.settings import GreenflowConfig
 
 ADMISSION_TIME_LIMIT_S = 2.0
+# A promise whose job no snapshot lists this long after it was made is dropped: the job is gone
+# (finished, cancelled) or its submission never committed.
+RESERVATION_GRACE_S = 300.0
+# Checks within this many seconds of a snapshot read reuse it (a burst reads it once).
+SNAPSHOT_REUSE_S = 5.0
+
+log = logging.getLogger("greenflow.admission")
 
 
 def _known_forecast(session: Session, config: GreenflowConfig, now: datetime) -> CarbonForecast:
@@ -60,40 +85,258 @@ def check_admission(
     total_samples: int,
     now: datetime,
 ) -> AdmissionDecision:
-    """Whether a job with a deadline can be admitted without breaking admitted jobs' deadlines."""
-    nodes = NodeRepository(session).nodes_with_slots(ready_only=True)
-    largest = max((len(n.slots) for n in nodes), default=0)
-    if largest == 0:
-        return AdmissionDecision(False, False, "no GPUs are registered with the scheduler", None)
-    try:
-        allowed = allowed_gpu_counts(request.min_gpus, min(request.max_gpus, largest))
-    except InvalidProblem:
-        return AdmissionDecision(
-            False,
-            False,
-            f"needs at least {request.min_gpus} GPUs on one node; the largest node has {largest}",
-            None,
+    """Whether a job with a deadline can be admitted without breaking admitted jobs' deadlines
+    (a full solve with fresh models; `Admission.check` is the service's incremental one)."""
+    return Admission(config).check(session, request, total_samples, now).decision
+
+
+@dataclass(frozen=True)
+class AdmissionResult:
+    """A decision and what the new job was promised (its counts from the problem's start)."""
+
+    decision: AdmissionDecision
+    held: HeldGpus | None = None
+
+
+@dataclass
+class AdmissionStats:
+    """What admission did, for tests and metrics: checks, the full solves among them, and the
+    most checks that ever ran at once (one: a burst queues, it does not solve in parallel)."""
+
+    checks: int = 0
+    solves: int = 0
+    snapshots: int = 0  # snapshot reads (a burst's checks share one)
+    most_at_once: int = 0
+
+
+class Admission:
+    """Admission in one scheduler process: one check at a time, incremental where it can be.
+
+    A new deadline is checked first against the plan in force and the jobs admitted since
+    (`allocation.admission.admit_on_spare`: the GPUs and budget they leave, no other job moved);
+    only when that cannot tell is the whole problem solved with the loop's policy (`admit`).
+    Checks run one at a time behind one lock, from the snapshot read to the job's reservation,
+    so a burst queues instead of solving in parallel and each check sees the ones before it.
+    Job models are kept between checks (refitted from new telemetry only, as the loop's are).
+    """
+
+    def __init__(
+        self,
+        config: GreenflowConfig,
+        plan_in_force: Callable[[], AllocationPlan | None] | None = None,
+    ) -> None:
+        self.config = config
+        # The loop's plan when it runs in this process (else the newest stored plan is read).
+        self.plan_in_force = plan_in_force
+        self.models = JobModels(refit_interval_s=config.planner.model_refit_interval_s)
+        self.stats = AdmissionStats()
+        self._lock = threading.Lock()
+        self._running = 0
+        # Job id -> what it was promised, until a plan made after the promise is in force.
+        self._reserved: dict[str, HeldGpus] = {}
+        self._reserved_at: dict[str, float] = {}  # job id -> time.monotonic() of the promise
+        self._snapshot_cache: tuple[float, PlanningInput] | None = None
+        self.snapshot_reuse_s = SNAPSHOT_REUSE_S
+
+    @contextmanager
+    def turn(self) -> Iterator[Admission]:
+        """Hold the admission lock: check, then reserve for the stored job, in one turn."""
+        with self._lock:
+            yield self
+
+    def check(
+        self, session: Session, request: JobRequest, total_samples: int, now: datetime
+    ) -> AdmissionResult:
+        """Whether a job with a deadline can be admitted without breaking admitted deadlines."""
+        self.stats.checks += 1
+        self._running += 1
+        self.stats.most_at_once = max(self.stats.most_at_once, self._running)
+        began = time.perf_counter()
+        solves = self.stats.solves
+        # The request's time was taken before it waited for its turn: check from now (the
+        # plan in force and the promises before it may start later than the request did).
+        now = max(now, utcnow())
+        try:
+            return self._check(session, request, total_samples, now)
+        finally:
+            self._running -= 1
+            log.info(
+                "admission check in %.3f s (%s)",
+                time.perf_counter() - began,
+                "full solve" if self.stats.solves > solves else "on the plan in force",
+            )
+
+    def reserve(self, job_id: int, result: AdmissionResult) -> None:
+        """Count the admitted job's promised GPUs in the checks that follow."""
+        if result.held is not None and result.decision.admitted:
+            self._reserved[str(job_id)] = HeldGpus(
+                result.held.start_at,
+                result.held.slot_s,
+                {str(job_id): result.held.gpus["new"]},
+                {str(job_id): w} if (w := result.held.power_w.get("new")) is not None else {},
+            )
+            self._reserved_at[str(job_id)] = time.monotonic()
+
+    def _check(
+        self, session: Session, request: JobRequest, total_samples: int, now: datetime
+    ) -> AdmissionResult:
+        config = self.config
+        forecast = _known_forecast(session, config, now)
+        planning, reused = self._planning(session, forecast, now)
+        largest = planning.snapshot.largest_node_gpus
+        if largest == 0:
+            return AdmissionResult(
+                AdmissionDecision(False, False, "no GPUs are registered with the scheduler", None)
+            )
+        try:
+            allowed = allowed_gpu_counts(request.min_gpus, min(request.max_gpus, largest))
+        except InvalidProblem:
+            return AdmissionResult(
+                AdmissionDecision(
+                    False,
+                    False,
+                    f"needs at least {request.min_gpus} GPUs on one node; the largest node "
+                    f"has {largest}",
+                    None,
+                )
+            )
+        in_force = self._in_force(session)
+        fast = self._on_spare(planning, request, total_samples, allowed, now, in_force)
+        if fast is not None:
+            return AdmissionResult(*fast)
+        if reused:
+            # The burst's snapshot could not tell: try once more on a fresh one.
+            planning, _ = self._planning(session, forecast, now, fresh=True)
+            fast = self._on_spare(planning, request, total_samples, allowed, now, in_force)
+            if fast is not None:
+                return AdmissionResult(*fast)
+        problem = planning.problem
+        new_job = self._new_job(planning, request, total_samples, allowed, now)
+        # The same policy as the control loop: admission promises what the loop will then plan.
+        self.stats.solves += 1
+        # Solve outside the request's transaction: everything it needs is read, nothing is
+        # written yet (the job is stored after the decision), so ending the read transaction
+        # frees its connection and snapshot for the seconds the solve takes.
+        if not (session.new or session.dirty or session.deleted):
+            session.commit()
+        decision = admit(
+            problem,
+            new_job,
+            time_limit_s=ADMISSION_TIME_LIMIT_S,
+            seed=config.planner.seed,
+            policy=get_policy(config.planner.policy),
         )
-    planning = build_problem(
-        session, config, _known_forecast(session, config, now), JobModels(), now
-    )
-    model = prior_job_model(request.workload, request.global_batch_size, allowed)
-    assert request.deadline is not None
-    new_job = JobSpec(
-        job_id="new",
-        allowed_gpus=allowed,
-        throughput_samples_per_s=tuple(model.throughput_samples_per_s[g] for g in allowed),
-        power_w=tuple(model.power_w[g] for g in allowed),
-        remaining_samples=float(total_samples),
-        deadline_s=(request.deadline - now).total_seconds(),
-        priority=float(request.priority + 1),
-        best_effort=request.best_effort,
-    )
-    # The same policy as the control loop: admission promises what the loop will then plan.
-    return admit(
-        planning.problem,
-        new_job,
-        time_limit_s=ADMISSION_TIME_LIMIT_S,
-        seed=config.planner.seed,
-        policy=get_policy(config.planner.policy),
-    )
+        held = None
+        if decision.plan is not None and "new" in decision.plan.gpus:
+            watts = dict(zip(new_job.allowed_gpus, new_job.power_w, strict=True))
+            held = HeldGpus(
+                problem.start_at,
+                problem.slot_s,
+                {"new": decision.plan.gpus["new"]},
+                {"new": {0: 0.0, **watts}},
+            )
+        return AdmissionResult(decision, held)
+
+    def _planning(
+        self, session: Session, forecast: CarbonForecast, now: datetime, *, fresh: bool = False
+    ) -> tuple[PlanningInput, bool]:
+        """The snapshot to check on, and whether it is one reused from a check just before.
+
+        A burst's checks share one snapshot for `SNAPSHOT_REUSE_S`: reading 1,000 queued jobs
+        and their models is most of a check, and what changed since is covered, for the
+        incremental check, by the promises made since (reserved) and the plan in force (read
+        anew each time); jobs that finished since only leave more room.
+        """
+        cached = self._snapshot_cache
+        if (
+            not fresh
+            and cached is not None
+            and time.monotonic() - cached[0] <= self.snapshot_reuse_s
+            and cached[1].problem.start_at <= now
+        ):
+            return cached[1], True
+        planning = read_snapshot(session, self.config, forecast, self.models, now)
+        self.stats.snapshots += 1
+        self._snapshot_cache = (time.monotonic(), planning)
+        return planning, False
+
+    def _new_job(
+        self,
+        planning: PlanningInput,
+        request: JobRequest,
+        total_samples: int,
+        allowed: tuple[int, ...],
+        now: datetime,
+    ) -> JobSpec:
+        """The new job as the snapshot's problem sees it (from the problem's start: the time
+        since counts against it, as work at its fastest rate)."""
+        model = prior_job_model(request.workload, request.global_batch_size, allowed)
+        assert request.deadline is not None
+        start_at = planning.problem.start_at
+        rates = tuple(model.throughput_samples_per_s[g] for g in allowed)
+        gone_s = max(0.0, (now - start_at).total_seconds())
+        return plan_job(
+            PlannableJob(
+                job_id="new",
+                allowed_gpus=allowed,
+                throughput_samples_per_s=rates,
+                power_w=tuple(model.power_w[g] for g in allowed),
+                remaining_samples=float(total_samples) + max(rates) * gone_s,
+                deadline_s=(request.deadline - start_at).total_seconds(),
+                priority=request.priority,
+                best_effort=request.best_effort,
+            ),
+            live_knobs(self.config),
+        )
+
+    def _on_spare(
+        self,
+        planning: PlanningInput,
+        request: JobRequest,
+        total_samples: int,
+        allowed: tuple[int, ...],
+        now: datetime,
+        in_force: HeldGpus | None,
+    ) -> tuple[AdmissionDecision, HeldGpus] | None:
+        """The incremental check on this snapshot (None: it cannot tell)."""
+        problem = planning.problem
+        listed = {job.job_id for job in problem.jobs}
+        stale = time.monotonic() - RESERVATION_GRACE_S
+        # A promise no snapshot lists for a while is of a job that is gone.
+        self._keep_reserved(lambda k: k in listed or self._reserved_at.get(k, 0.0) > stale)
+        new_job = self._new_job(planning, request, total_samples, allowed, now)
+        return admit_on_spare(problem, new_job, in_force, tuple(self._reserved.values()))
+
+    def _in_force(self, session: Session) -> HeldGpus | None:
+        """The plan in force, and the reservations still to count on top of it."""
+        plan = self.plan_in_force() if self.plan_in_force is not None else None
+        held: HeldGpus | None
+        if plan is not None:
+            held = HeldGpus(plan.start_at, plan.slot_s, dict(plan.gpus))
+        else:
+            row = AllocationRepository(session).latest_plan()
+            held = (
+                None
+                if row is None
+                else HeldGpus(
+                    _aware(row.start_at),
+                    row.slot_s,
+                    {k: tuple(v) for k, v in (row.gpus_by_job or {}).items()},
+                )
+            )
+        if held is not None:
+            # Kept until a plan in force has the promised job in it: a plan that starts after
+            # the promise may come from a snapshot read before the job committed.
+            gpus = held.gpus
+            self._keep_reserved(lambda k: k not in gpus)
+        return held
+
+    def _keep_reserved(self, keep: Callable[[str], bool]) -> None:
+        """Drop the reservations whose job ids `keep` refuses."""
+        self._reserved = {k: r for k, r in self._reserved.items() if keep(k)}
+        self._reserved_at = {k: t for k, t in self._reserved_at.items() if k in self._reserved}
+
+
+def _aware(at: datetime) -> datetime:
+    """SQLite returns naive datetimes: they are UTC."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)

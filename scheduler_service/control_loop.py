@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
@@ -19,31 +21,51 @@ from energy_model.carbon.forecast import CarbonForecast
 from energy_model.carbon.resilient import ResilientCarbonSource
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import AllocationPlan
+from scheduler_service.budget.enforcement import (
+    pause_jobs_over_team_budget,
+    team_budget_wake_reason,
+)
+from scheduler_service.budget.ledger import charge_new_telemetry, current_period
+from scheduler_service.budget.periods import PeriodStatus
 from scheduler_service.budget.watchdog import SpendExpectation, replan_reason, watch_lead_s
+from scheduler_service.bundles.service import sweep_bundles
 from scheduler_service.carbon.service import (
     anchor_replay,
     make_carbon_source,
     record_forecast,
     record_intensity_now,
+    seed_history,
 )
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.session import run_in_transaction, transaction
+from scheduler_service.deadline_risk import record_deadline_risks
 from scheduler_service.dispatch import service as dispatch
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.leader import LeaderLock
-from scheduler_service.ledger import charge_new_telemetry, current_period
 from scheduler_service.nodes.agent_client import AgentClient, AgentRejected, AgentUnreachable
+from scheduler_service.nodes.secrets import NodeSecrets
 from scheduler_service.nodes.service import mark_lost_nodes
-from scheduler_service.planning import JobModels, build_problem, plan_row
+from scheduler_service.planning import (
+    JobModels,
+    PlanningInput,
+    SnapshotRows,
+    assemble_snapshot,
+    plan_row,
+    read_rows,
+)
 from scheduler_service.settings import GreenflowConfig
 
 log = logging.getLogger("greenflow.loop")
 
 PLANS_KEPT = 500
+# How often the leader sweeps workdir bundles past their retention ([workloads] bundle_retention_h).
+BUNDLE_SWEEP_S = 3600.0
 # Conflicts in a row (a job changed while the tick planned) that are planned again at once; the
 # next one fails the tick, so a job that changes continuously meets the backoff, not a spin.
 STALE_REPLANS_AT_ONCE = 3
+# Commands sent at once (and the agent client's connections).
+DELIVERIES_IN_FLIGHT = 100
 
 
 @dataclass(frozen=True)
@@ -60,6 +82,16 @@ class TickReport:
     plan_gap: float | None = None  # relative gap to the solver's bound (None: none known)
     plan_solve_s: float | None = None
     finished_at: datetime | None = None
+    # Seconds per phase: snapshot (transaction one), solve (no transaction), write (transaction
+    # two), dispatch (read the commands, push them, record the acknowledgements).
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+
+def load_planning_libraries() -> None:
+    """Import what the first solve and the first model refit would (OR-Tools with pandas, torch),
+    so that `greenflow serve` starts without them and no tick waits for them."""
+    for module in ("ortools.linear_solver.python.model_builder", "torch"):
+        importlib.import_module(module)
 
 
 class ControlLoop:
@@ -72,15 +104,22 @@ class ControlLoop:
         engine: Engine,
         policy: str | None = None,
         carbon: ResilientCarbonSource | None = None,
+        node_secrets: NodeSecrets | None = None,
     ) -> None:
         self.config = config
+        # The app passes the scheduler key; a loop built alone (tests) draws its own.
+        self.node_secrets = node_secrets or NodeSecrets.generate()
         self.session_factory = session_factory
         self.carbon = carbon or make_carbon_source(config.carbon)
         self.policy_name = policy or config.planner.policy
         self.policy = get_policy(self.policy_name)
-        self.models = JobModels()
+        self.models = JobModels(
+            refit_interval_s=config.planner.model_refit_interval_s,
+            max_refits=config.planner.model_refits_per_tick,
+        )
         self.previous: AllocationPlan | None = None
-        self.agents = AgentClient()
+        self.agents = AgentClient(max_connections=DELIVERIES_IN_FLIGHT)
+        self._sends = asyncio.Semaphore(DELIVERIES_IN_FLIGHT)
         self.leader = LeaderLock(engine)
         self.wake_event = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -100,9 +139,11 @@ class ControlLoop:
         self.budget_wakes = 0
         # Seconds the last finished tick took (solve and push): the watchdog's latency allowance.
         self.last_tick_s = 0.0
+        self._last_tick_started_s = -float("inf")
         # When this replica became leader: heartbeats are judged only after a full timeout,
         # so a scheduler restart does not declare every node lost.
         self.leader_since: datetime | None = None
+        self._bundles_swept_s = -float("inf")
 
     def wake(self) -> None:
         """Ask for a tick as soon as possible (thread-safe: API handlers run in worker threads)."""
@@ -115,6 +156,7 @@ class ControlLoop:
         with transaction(self.session_factory) as session:
             if anchor_replay(session, self.carbon):
                 log.info("carbon replay resumed where the previous scheduler left it")
+            seed_history(session, self.carbon, utcnow())
         sampler = asyncio.create_task(self._sample_carbon(), name="greenflow-carbon-sampler")
         try:
             await self._tick_forever()
@@ -159,12 +201,17 @@ class ControlLoop:
     def _record_now(self, forecast: CarbonForecast) -> str | None:
         with self._ledger_lock, transaction(self.session_factory) as session:
             record_intensity_now(session, forecast)
-            if self.config.budget.enforcement != "hard":
+            teams = any(t.enforcement == "hard" for t in self.config.budget.teams.values())
+            if self.config.budget.enforcement != "hard" and not teams:
                 return None
             charged = charge_new_telemetry(session, self.config)
             if not charged.samples:
                 return None
             now = utcnow()
+            # A team's hard budget just spent: the tick pauses its jobs (once; then it is quiet).
+            team_reason = team_budget_wake_reason(session, self.config, now) if teams else None
+            if team_reason is not None or self.config.budget.enforcement != "hard":
+                return team_reason
             expectation = self._spend_expectation
             reason = replan_reason(
                 current_period(session, self.config, now),
@@ -179,12 +226,25 @@ class ControlLoop:
             return reason
 
     async def _tick_forever(self) -> None:
+        warm_up: asyncio.Task[None] | None = None
         while not self._stopping:
             # A fresh AsyncRetrying each slot: the backoff starts over after a tick that worked.
             async for attempt in self._tick_retrying():
                 with attempt:
                     await self._tick_if_leader()
+            if warm_up is None and self.leader_since is not None:
+                # Once leader, after a first tick: the libraries a solve and a model refit load
+                # (seconds) are loaded now, between ticks, not inside the first tick needing them.
+                warm_up = asyncio.create_task(asyncio.to_thread(load_planning_libraries))
             await self._sleep_or_wake(self.config.planner.slot_s)
+            await self._coalesce_wakes()
+
+    async def _coalesce_wakes(self) -> None:
+        """Hold a woken tick until `wake_coalesce_s` after the last tick's start: the wakes that
+        arrive meanwhile (a burst of submissions) are served by that one tick."""
+        until_s = self._last_tick_started_s + self.config.planner.wake_coalesce_s
+        while not self._stopping and (rest_s := until_s - time.monotonic()) > 0:
+            await asyncio.sleep(min(rest_s, 0.1))
 
     def _tick_retrying(self) -> AsyncRetrying:
         planner = self.config.planner
@@ -203,6 +263,7 @@ class ControlLoop:
             # Cleared before the tick, not after: a wake that arrives while a tick runs (a job
             # submitted, the budget watchdog) must start the next tick, not wait a whole slot.
             self.wake_event.clear()
+            self._last_tick_started_s = time.monotonic()
             try:
                 if await asyncio.to_thread(self.leader.try_acquire):
                     if self.leader_since is None:
@@ -255,18 +316,27 @@ class ControlLoop:
         started_s = time.monotonic()
         now = utcnow()
         forecast = await self.carbon.get_forecast(self.config.planner.horizon_s)
-        planned, plan = await asyncio.to_thread(self._plan, forecast, now)
+        phases_s: dict[str, float] = {}
+        planned, plan = await asyncio.to_thread(self._plan, forecast, now, phases_s)
+        dispatch_began_s = time.monotonic()
         deliveries = await asyncio.to_thread(self._deliveries)
         acked = failed = 0
         # Stops and shrinks first (they free slots), then the rest; within a group, in parallel:
         # starting a job's workers takes seconds and must not hold up the others.
         for order in sorted({d.order for d in deliveries}):
-            results = await asyncio.gather(
-                *(self._deliver(d) for d in deliveries if d.order == order)
-            )
-            acked += sum(results)
-            failed += len(results) - sum(results)
+            outcomes = await self._deliver_group([d for d in deliveries if d.order == order])
+            acked += sum(1 for o in outcomes if o.ok)
+            failed += sum(1 for o in outcomes if not o.ok)
+        phases_s["dispatch"] = time.monotonic() - dispatch_began_s
+        await asyncio.to_thread(self._sweep_bundles_if_due, now)
         self.last_tick_s = time.monotonic() - started_s
+        log.info(
+            "tick: %d job(s), %d command(s) in %.3f s (%s)",
+            planned,
+            len(deliveries),
+            self.last_tick_s,
+            ", ".join(f"{name} {seconds:.3f} s" for name, seconds in phases_s.items()),
+        )
         report = TickReport(
             now,
             planned,
@@ -278,13 +348,79 @@ class ControlLoop:
             plan.gap if plan is not None else None,
             plan.solve_s if plan is not None else None,
             finished_at=utcnow(),
+            phases_s=phases_s,
         )
         # One assignment: a scrape (another thread) sees this tick's report whole or not at all.
         self.last_report = report
         self.ticks += 1
         return report
 
-    def _plan(self, forecast: CarbonForecast, now: datetime) -> tuple[int, AllocationPlan | None]:
+    def _sweep_bundles_if_due(self, now: datetime) -> None:
+        """Remove workdir bundles past their retention, at most once per BUNDLE_SWEEP_S; a
+        failure is logged and left to the next sweep (the tick's work is done)."""
+        if time.monotonic() - self._bundles_swept_s < BUNDLE_SWEEP_S:
+            return
+        self._bundles_swept_s = time.monotonic()
+        retention = timedelta(hours=self.config.workloads.bundle_retention_h)
+        try:
+            with transaction(self.session_factory) as session:
+                report = sweep_bundles(session, now, retention)
+        except Exception:
+            log.exception("the bundle retention sweep failed")
+            return
+        if report.removed:
+            log.info(
+                "bundle retention: removed %d bundle(s) unused for %s, %d bytes freed",
+                len(report.removed),
+                retention,
+                report.freed_bytes,
+            )
+
+    def _plan(
+        self, forecast: CarbonForecast, now: datetime, phases_s: dict[str, float] | None = None
+    ) -> tuple[int, AllocationPlan | None]:
+        # Three steps (DESIGN.md, one tick): read the snapshot in one transaction, solve with no
+        # transaction or lock held, write the plan and its commands in a second transaction. A
+        # job changed in between fails the second one's flush (its version column), and the
+        # loop plans again from a new snapshot.
+        phases_s = {} if phases_s is None else phases_s
+        began_s = time.monotonic()
+        rows, period = self._read_snapshot(forecast, now)
+        phases_s["snapshot"] = time.monotonic() - began_s
+        began_s = time.monotonic()
+        # Refits and the problem, after the transaction: CPU work holds no lock.
+        planning = assemble_snapshot(rows, self.config, forecast, self.models)
+        phases_s["models"] = time.monotonic() - began_s
+        began_s = time.monotonic()
+        plan: AllocationPlan | None = None
+        if planning.problem.jobs:
+            plan = self.policy(
+                planning.problem,
+                previous=self.previous,
+                time_limit_s=self.config.planner.solver_time_limit_s,
+                seed=self.config.planner.seed,
+            )
+            expectation = SpendExpectation.of_plan(plan, period)
+        else:
+            # Nothing planned, nothing expected: the watchdog's once-per-plan rules then
+            # hold for this empty plan too, instead of waking a tick at every check.
+            expectation = SpendExpectation.of_nothing(now, self.config.planner.slot_s, period)
+        phases_s["solve"] = time.monotonic() - began_s
+        began_s = time.monotonic()
+        with transaction(self.session_factory) as session:
+            self._write_plan(session, planning, plan, forecast.degraded, now)
+        phases_s["write"] = time.monotonic() - began_s
+        # Only once the transaction committed: a tick whose commit fails (a job changed while it
+        # planned) leaves the plan in force, and the watchdog's expectation of it, as they were.
+        self._spend_expectation = expectation
+        if plan is not None:
+            self.previous = plan
+        return len(planning.problem.jobs), plan
+
+    def _read_snapshot(
+        self, forecast: CarbonForecast, now: datetime
+    ) -> tuple[SnapshotRows, PeriodStatus]:
+        """Transaction one: the tick's own bookkeeping, then the snapshot to plan on."""
         with self._ledger_lock, transaction(self.session_factory) as session:
             record_forecast(session, forecast)
             timeout_s = self.config.cluster.heartbeat_timeout_s
@@ -293,47 +429,52 @@ class ControlLoop:
             charge_new_telemetry(session, self.config)
             dispatch.enforce_deadlines(session, now)
             dispatch.stop_finished_jobs(session)
-            planning = build_problem(session, self.config, forecast, self.models, now)
+            pause_jobs_over_team_budget(session, self.config, now)
+            rows = read_rows(session, self.config, self.models, now)
+            return rows, current_period(session, self.config, now)
+
+    def _write_plan(
+        self,
+        session: Session,
+        planning: PlanningInput,
+        plan: AllocationPlan | None,
+        degraded: bool,
+        now: datetime,
+    ) -> None:
+        """Transaction two: why unplaceable jobs wait, the Plan row and the commands."""
+        rows = dispatch.planned_rows(session, planning)
+        if planning.unplaceable:
+            # With no node up every queued job is here: read their reasons (plain rows) and load
+            # and write only the jobs whose reason changes (at most the newly queued ones).
             jobs = JobRepository(session)
-            for job_id, reason in planning.unplaceable.items():
-                job = jobs.get(job_id)
-                if job is not None and job.state_reason != reason:
-                    job.state_reason = reason
-            plan: AllocationPlan | None = None
-            if not planning.problem.jobs:
-                # Nothing planned, nothing expected: the watchdog's once-per-plan rules then
-                # hold for this empty plan too, instead of waking a tick at every check.
-                expectation = SpendExpectation.of_nothing(
-                    now, self.config.planner.slot_s, current_period(session, self.config, now)
-                )
-            else:
-                plan = self.policy(
-                    planning.problem,
-                    previous=self.previous,
-                    time_limit_s=self.config.planner.solver_time_limit_s,
-                    seed=self.config.planner.seed,
-                )
-                expectation = SpendExpectation.of_plan(
-                    plan, current_period(session, self.config, now)
-                )
-                repo = AllocationRepository(session)
-                repo.add_plan(plan_row(plan, planning.problem, forecast.degraded))
-                repo.prune_plans(PLANS_KEPT)
-                changed = dispatch.decide(session, planning, plan, now)
-                if changed:
-                    log.info("plan %s: %d allocation change(s)", plan.status, changed)
-        # Only once the transaction committed: a tick whose commit fails (a job changed while it
-        # planned) leaves the plan in force, and the watchdog's expectation of it, as they were.
-        self._spend_expectation = expectation
-        if plan is not None:
-            self.previous = plan
-        return len(planning.problem.jobs), plan
+            stored = jobs.state_reasons(list(planning.unplaceable))
+            changing = [j for j, reason in planning.unplaceable.items() if stored.get(j) != reason]
+            for job_id, job in jobs.get_many(changing).items():
+                job.state_reason = planning.unplaceable[job_id]
+        if plan is None:
+            return
+        repo = AllocationRepository(session)
+        repo.add_plan(plan_row(plan, planning.problem, degraded))
+        repo.prune_plans(PLANS_KEPT)
+        changed = dispatch.decide(
+            session,
+            planning,
+            plan,
+            now,
+            rows,
+            # A spanning job is not placed across a node silent for three heartbeats.
+            span_fresh_s=3 * self.config.cluster.agent_heartbeat_interval_s,
+        )
+        record_deadline_risks(session, planning.problem, plan, rows, now)
+        if changed:
+            log.info("plan %s: %d allocation change(s)", plan.status, changed)
 
     def _deliveries(self) -> list[dispatch.Delivery]:
         with transaction(self.session_factory) as session:
-            return dispatch.deliveries(session)
+            return dispatch.deliveries(session, self.node_secrets)
 
-    async def _deliver(self, delivery: dispatch.Delivery) -> bool:
+    async def _deliver(self, delivery: dispatch.Delivery) -> _Outcome:
+        """Send one command; what came of it (recorded by the caller, a group at a time)."""
         command = delivery.command
         try:
             if isinstance(command, dispatch.StopCommand):
@@ -345,12 +486,10 @@ class ControlLoop:
             log.warning(
                 "agent refused job %s generation %s: %s", command.job_id, command.generation, exc
             )
-            await asyncio.to_thread(self._record_failure, delivery.allocation_id, str(exc), True)
-            return False
+            return _Outcome(delivery.allocation_id, None, str(exc), rejected=True)
         except AgentUnreachable as exc:
             log.warning("agent unreachable for job %s: %s", command.job_id, exc)
-            await asyncio.to_thread(self._record_failure, delivery.allocation_id, str(exc), False)
-            return False
+            return _Outcome(delivery.allocation_id, None, str(exc), rejected=False)
         if ack is not None:
             what = "hot switch" if ack.hot_switch else "allocation"
             log.info(
@@ -361,16 +500,65 @@ class ControlLoop:
                 ack.layout,
                 ack.step,
             )
-        await asyncio.to_thread(self._record_ack, delivery.allocation_id, ack)
-        return True
+        return _Outcome(delivery.allocation_id, ack, None)
 
-    def _record_ack(self, allocation_id: int, ack: dispatch.AllocationAck | None) -> None:
-        run_in_transaction(
-            self.session_factory, lambda s: dispatch.record_ack(s, allocation_id, ack)
-        )
+    async def _deliver_in_turn(self, delivery: dispatch.Delivery) -> _Outcome:
+        # At most as many sends as the client has connections: one queued for a connection
+        # would spend its timeout waiting (2,000 commands at once went "unreachable" that way).
+        async with self._sends:
+            return await self._deliver(delivery)
 
-    def _record_failure(self, allocation_id: int, error: str, rejected: bool) -> None:
-        run_in_transaction(
-            self.session_factory,
-            lambda s: dispatch.record_failure(s, allocation_id, error, rejected=rejected),
-        )
+    async def _deliver_group(self, group: list[dispatch.Delivery]) -> list[_Outcome]:
+        """Send a group in parallel; record what came back as it comes, the answers that
+        arrived together in one transaction (a plan that moves a thousand jobs is not a
+        thousand transactions), so an acknowledgement is in the database soon after it arrives."""
+        pending = {asyncio.create_task(self._deliver_in_turn(d)) for d in group}
+        outcomes: list[_Outcome] = []
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                batch = [task.result() for task in done]
+                await asyncio.to_thread(self._record, batch)
+                outcomes += batch
+        finally:
+            # A tick that ends early (stopped, or a recording failed) leaves no send behind.
+            for task in pending:
+                task.cancel()
+        return outcomes
+
+    def _record(self, outcomes: list[_Outcome]) -> None:
+        """Record a group's outcomes in one transaction; one by one if a job changed meanwhile
+        (each then retried on its own, so one busy job does not hold back the others)."""
+        try:
+            with transaction(self.session_factory) as session:
+                _read = dispatch.prefetch_answers(session, [o.allocation_id for o in outcomes])
+                # In one order (telemetry locks jobs too): fewer deadlocks between the two.
+                for outcome in sorted(outcomes, key=lambda o: o.allocation_id):
+                    outcome.record(session)
+        except (StaleDataError, DBAPIError) as exc:
+            # A job changed meanwhile, or PostgreSQL broke a deadlock with a telemetry write.
+            log.info("recording %d answers together failed (%s); one by one", len(outcomes), exc)
+            for outcome in outcomes:
+                run_in_transaction(self.session_factory, outcome.record)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What came of one delivery: an acknowledgement (None for a stop), or the error."""
+
+    allocation_id: int
+    ack: dispatch.AllocationAck | None
+    error: str | None
+    rejected: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """The agent took the command."""
+        return self.error is None
+
+    def record(self, session: Session) -> None:
+        """Write it down (the acknowledgement's state change, or the failure)."""
+        if self.error is None:
+            dispatch.record_ack(session, self.allocation_id, self.ack)
+        else:
+            dispatch.record_failure(session, self.allocation_id, self.error, rejected=self.rejected)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 from rich.console import Console
 
 from scheduler_service.auth.service import create_token
@@ -21,10 +22,13 @@ from scheduler_service.db import migrate
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 
 # One trace hour every 5 wall-clock seconds; a 24-hour day of grid carbon in two minutes.
+DEMO_NODE = "local-agent"
 DEMO_CONFIG = """\
 # Written by `greenflow demo`: a compressed day so carbon-aware decisions show within minutes.
 [budget]
 period = "day"
+# The budget's day is the replay's (two minutes), as is the idle/host reserve until its end.
+period_clock = "carbon"
 limit_kg_co2e = {budget_kg}
 enforcement = "hard"
 
@@ -153,21 +157,74 @@ class _Watcher:
             )
 
 
+def example_job(example: Path) -> dict[str, Any]:
+    """The job spec of an example directory (its job.yaml), checked enough to name problems."""
+    spec_path = example / "job.yaml"
+    try:
+        spec = yaml.safe_load(spec_path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise RuntimeError(f"--example {example}: cannot read {spec_path}: {exc}") from exc
+    if not isinstance(spec, dict) or ":" not in str(spec.get("workload", "")):
+        raise RuntimeError(f"--example {example}: job.yaml must name a module:function workload")
+    return spec
+
+
+def _submit_example(
+    api: httpx.Client, example: Path, spec: dict[str, Any], console: Console
+) -> dict[str, Any]:
+    """Pack and upload the example directory, then submit its job with the bundle."""
+    from worker_agent.bundle import BundleError, pack_directory
+
+    try:
+        bundle = pack_directory(example)
+    except (BundleError, OSError) as exc:
+        raise RuntimeError(f"--example {example}: {exc}") from exc
+    stored = api.put(
+        f"/v1/bundles/{bundle.sha256}",
+        content=bundle.data,
+        headers={"content-type": "application/octet-stream"},
+    )
+    if stored.status_code not in (200, 201):
+        raise RuntimeError(f"--example {example}: upload refused: {stored.text[:300]}")
+    response = api.post("/v1/jobs", json={**spec, "bundle": bundle.sha256})
+    if response.status_code != 201:
+        raise RuntimeError(f"--example {example}: job refused: {response.text[:300]}")
+    job: dict[str, Any] = response.json()
+    console.print(
+        f"submitted job {job['id']} {spec['name']} ({spec['workload']} from {example}, "
+        f"bundle {bundle.sha256[:12]}, {len(bundle.files)} files)"
+    )
+    return job
+
+
 def run_demo(
-    *, duration_s: float | None, port: int, gpus: int, budget_kg: float, workdir: Path | None
+    *,
+    duration_s: float | None,
+    port: int,
+    gpus: int,
+    budget_kg: float,
+    workdir: Path | None,
+    example: Path | None = None,
 ) -> DemoSummary:
-    """Run the whole stack until `duration_s` passes (or Ctrl-C) and summarise what happened."""
+    """Run the whole stack until `duration_s` passes (or Ctrl-C) and summarise what happened;
+    with `example`, a user job directory (job.yaml + module) runs beside the demo's jobs."""
     console = Console()
+    example_spec = example_job(example) if example is not None else None
     work = workdir or Path(tempfile.mkdtemp(prefix="greenflow-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     config_path = work / "greenflow-demo.toml"
-    config_path.write_text(DEMO_CONFIG.format(budget_kg=budget_kg))
+    config = DEMO_CONFIG.format(budget_kg=budget_kg)
+    if example_spec is not None:
+        module = str(example_spec["workload"]).split(":", 1)[0]
+        config += f'\n[workloads]\nallowed_entrypoints = ["{module}"]\n'
+    config_path.write_text(config)
     database_url = f"sqlite:///{work / 'greenflow-demo.db'}"
     migrate.upgrade(database_url)
     engine = make_engine(database_url)
     with transaction(make_session_factory(engine)) as session:
         operator = create_token(session, name="demo-operator", role=Role.OPERATOR)
-        agent_token = create_token(session, name="demo-agent", role=Role.AGENT)
+        # The agent's credential is named after its node.
+        agent_token = create_token(session, name=DEMO_NODE, role=Role.AGENT)
     engine.dispose()
     env = {
         **os.environ,
@@ -198,18 +255,19 @@ def run_demo(
                     "agent",
                     "--scheduler",
                     url,
-                    "--token",
-                    agent_token,
                     "--simulate-gpus",
                     str(gpus),
                     "--name",
-                    "local-agent",
+                    DEMO_NODE,
                     "--checkpoint-dir",
                     str(work / "checkpoints"),
                     "--checkpoint-interval-s",
                     "30",
+                    "--export-dir",
+                    str(work / "exports"),
                 ],
-                env=env,
+                # The node's credential from the environment: a command line is visible in ps.
+                env={**env, "GREENFLOW_AGENT_TOKEN": agent_token},
                 stdout=agent_log,
                 stderr=subprocess.STDOUT,
             )
@@ -229,6 +287,12 @@ def run_demo(
                 job = api.post("/v1/jobs", json=spec).json()
                 console.print(
                     f"submitted job {job['id']} {spec['name']} ({spec['workload']}, {spec['min_gpus']}-{spec['max_gpus']} GPUs)"
+                )
+            if example is not None and example_spec is not None:
+                job = _submit_example(api, example, example_spec, console)
+                console.print(
+                    f"its output: greenflow logs {job['id']}; its model, once finished: "
+                    f"{work / 'exports' / ('job-' + str(job['id']))}"
                 )
             last_carbon = 0.0
             while duration_s is None or time.monotonic() - started < duration_s:

@@ -33,13 +33,14 @@ class LeaderLock:
                 # Still ours while the session lives; a dead connection means we lost it.
                 self._conn.execute(text("SELECT 1"))
                 return True
-            conn = self.engine.connect()
+            # Autocommit: a session-level advisory lock needs no transaction, and one left open
+            # would sit "idle in transaction" for the life of the process (holding back vacuum).
+            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             got = bool(
                 conn.execute(
                     text("SELECT pg_try_advisory_lock(:key)"), {"key": LOOP_LOCK_KEY}
                 ).scalar()
             )
-            conn.commit()
             if got:
                 self._conn = conn
                 log.info("this replica now runs the control loop")
@@ -57,7 +58,6 @@ class LeaderLock:
         if self._conn is not None:
             try:
                 self._conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": LOOP_LOCK_KEY})
-                self._conn.commit()
             except Exception:
                 log.debug("unlocking failed; dropping the session frees the lock", exc_info=True)
             try:

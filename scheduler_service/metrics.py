@@ -105,6 +105,16 @@ class ControlLoopCollector(Collector):
                 "Relative gap of the last plan to the solver's bound (absent: no bound known)",
                 value=report.plan_gap,
             )
+        if report.phases_s:
+            phases = GaugeMetricFamily(
+                f"{prefix}_last_tick_phase_seconds",
+                "Seconds the last completed tick spent per phase (snapshot: read transaction; models: "
+                "refits and the problem; solve: the policy; write: plan and commands; dispatch: push)",
+                labels=["phase"],
+            )
+            for name, seconds in report.phases_s.items():
+                phases.add_metric([name], seconds)
+            yield phases
         if report.plan_solve_s is not None:
             yield GaugeMetricFamily(
                 f"{prefix}_last_plan_solve_seconds",

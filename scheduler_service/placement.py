@@ -1,9 +1,22 @@
-"""Place one slot of a plan onto nodes: keep jobs where they are, one node per job, fewest moves."""
+"""Place one slot of a plan onto nodes: keep jobs where they are, fewest moves, never lower silently.
+
+A job's tensor-parallel groups stay inside a node: every node's part of a job holds whole TP
+groups (a multiple of the job's TP degree). Data- and pipeline-parallel groups may cross nodes,
+so with `span_nodes` a job that fits on no single node is split across nodes (its own node
+first, then the nodes with the most free GPUs, so as few nodes as possible), among the nodes
+that may be spanned (`spannable`: their agents advertised an address the others reach).
+Without it, or beyond what those nodes hold, a count that fits on no node is lowered to the
+largest allowed count that does. Either way, every job placed with fewer GPUs than its target
+gets a reason in `Placed.short`, which the caller records.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+Part = tuple[int, tuple[int, ...]]
+"""(node id, slot indices on that node)."""
 
 
 @dataclass(frozen=True)
@@ -16,18 +29,46 @@ class NodeSlots:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a job runs: a node and slot indices (empty = not running)."""
+    """Where a job runs: a node and slot indices (empty = not running), plus further nodes.
+
+    `node_id` is the job's own node (where its runner and rendezvous live); `others` are the
+    parts on further nodes of a job that spans nodes (empty for a job inside one node).
+    """
 
     node_id: int | None
     slot_indices: tuple[int, ...]
+    others: tuple[Part, ...] = ()
 
     @property
     def gpus(self) -> int:
-        """Number of GPUs placed."""
-        return len(self.slot_indices)
+        """Number of GPUs placed, all nodes together."""
+        return len(self.slot_indices) + sum(len(s) for _, s in self.others)
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """Every (node, slots) part, the job's own node first."""
+        if self.node_id is None:
+            return ()
+        return ((self.node_id, self.slot_indices), *self.others)
 
 
 NOWHERE = Placement(None, ())
+
+
+@dataclass
+class Placed:
+    """Placements by job, and why a job got fewer GPUs than the plan asked for."""
+
+    placements: dict[int, Placement] = field(default_factory=dict)
+    short: dict[int, str] = field(default_factory=dict)
+
+
+def _from_parts(parts: Sequence[Part]) -> Placement:
+    parts = [(n, tuple(sorted(s))) for n, s in parts if s]
+    if not parts:
+        return NOWHERE
+    (node, slots), *others = parts
+    return Placement(node, slots, tuple(others))
 
 
 def place(
@@ -38,82 +79,193 @@ def place(
     order: Sequence[int],
     home: Mapping[int, int] | None = None,
 ) -> dict[int, Placement]:
+    """`place_jobs` inside single nodes, placements only."""
+    return place_jobs(targets, current, nodes, allowed, order, home).placements
+
+
+def place_jobs(
+    targets: Mapping[int, int],
+    current: Mapping[int, Placement],
+    nodes: Sequence[NodeSlots],
+    allowed: Mapping[int, Sequence[int]],
+    order: Sequence[int],
+    home: Mapping[int, int] | None = None,
+    tp: Mapping[int, int] | None = None,
+    span_nodes: bool = False,
+    spannable: Collection[int] | None = None,
+) -> Placed:
     """Placement for every job in `targets` (GPU counts), honouring `order` (most important first).
 
-    A job keeps its node and the slots it holds whenever its node can host the new count; it
-    moves only when its node cannot; a count that fits nowhere is lowered to the largest allowed
-    count that fits (possibly 0). A job without slots goes back to its `home` node (where its
-    paused state lives in the agent's memory) when that node has room for it.
+    A job keeps its node and the slots it holds, and grows on its own node first; a job that
+    must grow beyond its node moves (single-node) or adds parts on other nodes (`span_nodes`).
+    A job without slots goes back to its `home` node (where its paused state lives in the
+    agent's memory) when that node has room for it. `tp`: each job's tensor-parallel degree
+    (default 1): every part holds a multiple of it. A count that cannot be placed is lowered
+    to the largest allowed count that can (possibly 0), with the reason in `short`.
+    `spannable`: the nodes a job may span (their agents reach each other; None: every node);
+    a job inside one node may sit on any node.
     """
+    span_ok = set(spannable) if spannable is not None else {n.node_id for n in nodes}
     free: dict[int, list[int]] = {n.node_id: sorted(n.slot_indices) for n in nodes}
-    node_ids = set(free)
-    held: dict[int, Placement] = {}
+    tp = tp or {}
+    out = Placed()
+    held: dict[int, list[Part]] = {}
     # Slots held by jobs that keep running on a ready node are not free.
     for job_id, existing in current.items():
-        if existing.node_id in node_ids and job_id in targets:
-            held[job_id] = existing
-            for index in existing.slot_indices:
-                if index in free[existing.node_id]:
-                    free[existing.node_id].remove(index)
-    result: dict[int, Placement] = {}
+        if job_id not in targets:
+            continue
+        ready = [(n, s) for n, s in existing.parts if n in free]
+        if ready:
+            held[job_id] = ready
+            for n, slots in ready:
+                free[n] = [i for i in free[n] if i not in slots]
     # Shrinking and stopping first, so their slots are free for the others.
     for job_id in order:
-        kept = held.get(job_id)
+        mine = held.get(job_id)
         target = targets.get(job_id, 0)
-        if kept is None or target > kept.gpus:
+        if mine is None or target > sum(len(s) for _, s in mine):
             continue
-        keep = kept.slot_indices[:target]
-        assert kept.node_id is not None
-        free[kept.node_id].extend(i for i in kept.slot_indices if i not in keep)
-        free[kept.node_id].sort()
-        result[job_id] = Placement(kept.node_id, keep) if target else NOWHERE
+        step = max(1, tp.get(job_id, 1)) if span_nodes else 1
+        kept: list[Part] = []
+        left = target
+        for n, slots in mine:  # the job's own node first: its other nodes go first
+            take = min(len(slots), left)
+            take -= take % step
+            kept.append((n, slots[:take]))
+            free[n] = sorted([*free[n], *slots[take:]])
+            left -= take
+        out.placements[job_id] = _from_parts(kept)
+        if left:
+            out.short[job_id] = (
+                f"{target} GPUs asked, {target - left} placed: each node's part holds whole "
+                f"tensor-parallel groups of {step}"
+            )
     for job_id in order:
-        if job_id in result:
+        if job_id in out.placements:
             continue
         target = targets.get(job_id, 0)
-        placement = held.get(job_id)
-        node_id = placement.node_id if placement is not None else None
-        if placement is not None and node_id is not None:
-            extra = target - placement.gpus
-            spare = free[node_id]
-            if extra <= len(spare):
-                added = tuple(spare[:extra])
-                del spare[:extra]
-                result[job_id] = Placement(node_id, tuple(sorted(placement.slot_indices + added)))
+        step = max(1, tp.get(job_id, 1)) if span_nodes else 1
+        counts = sorted(
+            {g for g in allowed.get(job_id, (target,)) if 0 < g <= target}, reverse=True
+        ) or ([target] if target else [])
+        mine = held.get(job_id)
+        if mine is not None:
+            placement, why = _grow(mine, target, counts, step, free, span_nodes, span_ok)
+        else:
+            home_id = (home or {}).get(job_id)
+            if home_id in free and 0 < target <= len(free[home_id]) and target % step == 0:
+                taken = tuple(free[home_id][:target])
+                del free[home_id][:target]
+                out.placements[job_id] = Placement(home_id, taken)
                 continue
-            # Its node cannot grow it that far: grow as far as allowed there rather than move.
-            fits_here = [
-                g
-                for g in allowed.get(job_id, ())
-                if placement.gpus <= g <= placement.gpus + len(spare)
-            ]
-            grown = max(fits_here, default=placement.gpus)
-            added = tuple(spare[: grown - placement.gpus])
-            del spare[: grown - placement.gpus]
-            result[job_id] = Placement(node_id, tuple(sorted(placement.slot_indices + added)))
-            continue
-        home_id = (home or {}).get(job_id)
-        if home_id in free and 0 < target <= len(free[home_id]):
-            taken = tuple(free[home_id][:target])
-            del free[home_id][:target]
-            result[job_id] = Placement(home_id, taken)
-            continue
-        result[job_id] = _place_new(job_id, target, free, allowed)
-    return result
+            placement, why = _place_new(target, counts, step, free, span_nodes, span_ok)
+        out.placements[job_id] = placement
+        if placement.gpus < target:
+            out.short[job_id] = f"{target} GPUs asked, {placement.gpus} placed: {why}"
+    return out
+
+
+def _most_free(free: dict[int, list[int]], skip: set[int]) -> list[int]:
+    return sorted((n for n in free if n not in skip), key=lambda n: (-len(free[n]), n))
+
+
+def _grow(
+    parts: list[Part],
+    target: int,
+    counts: list[int],
+    step: int,
+    free: dict[int, list[int]],
+    span_nodes: bool,
+    span_ok: set[int],
+) -> tuple[Placement, str]:
+    """Grow a running job: its own node first, then (span_nodes) its other nodes, then more."""
+    have = sum(len(s) for _, s in parts)
+    own = parts[0][0]
+    if span_nodes and own not in span_ok:
+        # Its runner's node may not span (any more): it grows only where it already is.
+        if len(parts) == 1:
+            span_nodes = False
+        else:
+            span_ok = {n for n, _ in parts}
+    if not span_nodes:
+        spare = len(free[own])
+        if target - have <= spare:
+            grown = target
+        else:
+            grown = max((g for g in counts if have <= g <= have + spare), default=have)
+        added = free[own][: grown - have]
+        del free[own][: grown - have]
+        why = f"its node {own} has {spare} more free GPUs and a job runs inside one node"
+        return _from_parts([(own, parts[0][1] + tuple(added)), *parts[1:]]), why
+    room = {n: len(free[n]) - len(free[n]) % step for n in free}
+    order = [n for n, _ in parts] + _most_free(free, {n for n, _ in parts} | (set(free) - span_ok))
+    avail = have + sum(room[n] for n in order)
+    fits = [g for g in counts if have <= g <= avail and (g - have) % step == 0] or [have]
+    extra = fits[0] - have
+    by_node = dict(parts)
+    for n in order:
+        take = min(extra, room[n])
+        take -= take % step
+        if take:
+            by_node[n] = by_node.get(n, ()) + tuple(free[n][:take])
+            del free[n][:take]
+            extra -= take
+    ordered = [(n, by_node[n]) for n in order if n in by_node]
+    why = f"{avail - have} more free GPUs in whole tensor-parallel groups of {step} on ready nodes"
+    return _from_parts(ordered), why
 
 
 def _place_new(
-    job_id: int, target: int, free: dict[int, list[int]], allowed: Mapping[int, Sequence[int]]
-) -> Placement:
-    counts = [g for g in allowed.get(job_id, (target,)) if 0 < g <= target] or (
-        [target] if target else []
-    )
-    for count in sorted(counts, reverse=True):
+    target: int,
+    counts: list[int],
+    step: int,
+    free: dict[int, list[int]],
+    span_nodes: bool,
+    span_ok: set[int],
+) -> tuple[Placement, str]:
+    """A job without slots: best fit on one node; else (span_nodes) across the fewest nodes
+    that may be spanned, when that holds more than any one node."""
+    most = max((len(s) for s in free.values()), default=0)
+    one_node = [c for c in counts if c % step == 0]
+    single: tuple[int, int] | None = None
+    for count in one_node:
         # Best fit: the node with the fewest free slots that still holds the job.
-        fitting = [(len(slots), node_id) for node_id, slots in free.items() if len(slots) >= count]
+        fitting = [(len(slots), n) for n, slots in free.items() if len(slots) >= count]
         if fitting:
-            _, node_id = min(fitting)
-            taken = tuple(free[node_id][:count])
-            del free[node_id][:count]
-            return Placement(node_id, taken)
-    return NOWHERE
+            single = (count, min(fitting)[1])
+            break
+    room = {n: len(free[n]) - len(free[n]) % step for n in free if n in span_ok}
+    avail = sum(room.values())
+    spanned = next((c for c in one_node if c <= avail), 0) if span_nodes else 0
+    if single is not None and (single[0] == target or single[0] >= spanned):
+        count, node_id = single
+        taken = tuple(free[node_id][:count])
+        del free[node_id][:count]
+        return Placement(node_id, taken), (
+            _why_spanning(avail, step) if span_nodes else _why_one_node(target, most)
+        )
+    if not spanned:
+        return NOWHERE, _why_spanning(avail, step) if span_nodes else _why_one_node(target, most)
+    parts: list[Part] = []
+    left = spanned
+    for n in _most_free(free, set(free) - span_ok):
+        take = min(left, room[n])
+        if take:
+            parts.append((n, tuple(free[n][:take])))
+            del free[n][:take]
+            left -= take
+    return _from_parts(parts), _why_spanning(avail, step)
+
+
+def _why_one_node(target: int, most: int) -> str:
+    return (
+        f"no ready node has {target} free GPUs (most on one node: {most}) and a job runs inside "
+        "one node"
+    )
+
+
+def _why_spanning(avail: int, step: int) -> str:
+    return (
+        f"{avail} free GPUs in whole tensor-parallel groups of {step} on the ready nodes a job "
+        "may span, and no one node has more"
+    )

@@ -1,28 +1,42 @@
-"""Turn the database's view of the cluster into an AllocationProblem, and a plan into a Plan row."""
+"""Read the database's view of the cluster into a `ClusterSnapshot` (batched queries), build its
+AllocationProblem with the one builder (`allocation/snapshot.py`), and turn a plan into a Plan row."""
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
 from energy_model.carbon.forecast import CarbonForecast
-from energy_model.emissions import split_by_steps
+from energy_model.emissions import StepSeries, split_by_steps
 from energy_model.job_model import JobModel, JobModelFitter, TelemetryPoint, prior_job_model
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
     BudgetMode,
-    BudgetPeriod,
     InvalidProblem,
-    JobSpec,
     allowed_gpu_counts,
+)
+from scheduler_service.allocation.snapshot import (
+    BudgetWindow,
+    ClusterSnapshot,
+    PlannableJob,
+    ProblemKnobs,
+    TeamWindows,
+    build_problem,
+)
+from scheduler_service.budget.ledger import (
+    periods_for_horizon,
+    spent_team_queues,
+    team_periods_for_horizon,
 )
 from scheduler_service.db.models import Job, Plan
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.states import JobState
-from scheduler_service.ledger import periods_for_horizon
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.settings import GreenflowConfig
 from scheduler_service.telemetry.repository import TelemetryRepository
@@ -33,95 +47,232 @@ PLANNABLE_STATES = (JobState.QUEUED, JobState.DEFERRED, JobState.RUNNING, JobSta
 
 @dataclass
 class JobModels:
-    """Per-job fitted models, refitted from new telemetry each tick (rebuilt from the DB on restart)."""
+    """Per-job fitted models, refitted from new telemetry (rebuilt from the DB on restart).
 
+    Telemetry is read for all planned jobs at once (`refresh`, in the snapshot's transaction):
+    the newest samples of a job new to the models, and for the others the samples stored since
+    the last read (by sample id; one committed out of id order by a concurrent writer may be
+    skipped, and the fit has hundreds). The refits (`fitted`) run after that transaction, a job's
+    at most once per `refit_interval_s` (a refit takes tens of ms: at every tick for every
+    running job it would outgrow the solve); its new samples wait in the fitter's buffer.
+    """
+
+    refit_interval_s: float = 0.0
+    max_refits: int | None = None
     fitters: dict[int, JobModelFitter] = field(default_factory=dict)
-    last_sample_at: dict[int, datetime] = field(default_factory=dict)
+    last_sample_id: dict[int, int] = field(default_factory=dict)
+    # Every sample with an id up to this one was read for the jobs that had a model then.
+    read_up_to_id: int = 0
+    waiting: dict[int, list[TelemetryPoint]] = field(default_factory=dict)
+    refit_at_s: dict[int, float] = field(default_factory=dict)
+    refits: int = 0
 
-    def model_for(self, session: Session, job: Job, allowed: tuple[int, ...]) -> JobModel:
-        """The job's current model over `allowed` counts: prior, refitted with its telemetry."""
-        fitter = self.fitters.get(job.id)
-        if fitter is None or fitter.prior.allowed_gpus != allowed:
-            fitter = JobModelFitter(prior_job_model(job.workload, job.global_batch_size, allowed))
-            self.fitters[job.id] = fitter
-            self.last_sample_at.pop(job.id, None)
-        since = self.last_sample_at.get(job.id)
-        new = [
-            s
-            for s in TelemetryRepository(session).for_job(
-                job.id, since=since, limit=fitter.max_samples
-            )
-            if (since is None or s.at > since) and s.gpus > 0 and s.samples_per_s > 0
-        ]
-        if new:
-            self.last_sample_at[job.id] = new[-1].at
-            return fitter.update(
+    def refresh(self, session: Session, priors: dict[int, JobModel]) -> None:
+        """Read the planned jobs' new telemetry (`priors`: job id -> its prior)."""
+        fresh: list[int] = []
+        for job_id, prior in priors.items():
+            fitter = self.fitters.get(job_id)
+            if fitter is None or fitter.prior.allowed_gpus != prior.allowed_gpus:
+                self.fitters[job_id] = JobModelFitter(prior)
+                self.last_sample_id.pop(job_id, None)
+                self.waiting.pop(job_id, None)
+                self.refit_at_s.pop(job_id, None)
+                fresh.append(job_id)
+        known = [job_id for job_id in priors if job_id not in set(fresh)]
+        telemetry = TelemetryRepository(session)
+        newest_id = telemetry.newest_id()
+        rows = telemetry.of_jobs_after(known, self.read_up_to_id)
+        if fresh:
+            limit = max(self.fitters[j].max_samples for j in fresh)
+            rows.update(telemetry.newest_of_jobs(fresh, limit=limit))
+        self.read_up_to_id = max(self.read_up_to_id, newest_id)
+        for job_id in priors:
+            seen = self.last_sample_id.get(job_id, 0)
+            new = [
+                s
+                for s in rows.get(job_id, ())
+                if s.id > seen and s.gpus > 0 and s.samples_per_s > 0
+            ]
+            if not new:
+                continue
+            self.last_sample_id[job_id] = max(s.id for s in new)
+            self.waiting.setdefault(job_id, []).extend(
                 TelemetryPoint(
                     gpus=s.gpus,
                     samples_per_s=s.samples_per_s,
                     power_w=s.power_w,
                     at=s.at,
                     layout=s.layout,
+                    power_source=s.power_source,
                 )
                 for s in new
             )
-        return fitter.model
+
+    def fitted(self, job_ids: Iterable[int]) -> dict[int, JobModel]:
+        """Each job's model, refitted with its waiting samples where its refit is due (no I/O);
+        at most `max_refits` refits a call, the longest waiting first (a restart with a
+        thousand running jobs spreads their first refits over several ticks)."""
+        now_s = time.monotonic()
+        ids = list(job_ids)
+        due = sorted(
+            (
+                job_id
+                for job_id in ids
+                if self.waiting.get(job_id)
+                and now_s - self.refit_at_s.get(job_id, -math.inf) >= self.refit_interval_s
+            ),
+            key=lambda job_id: self.refit_at_s.get(job_id, -math.inf),
+        )
+        for job_id in due[: self.max_refits]:
+            self.fitters[job_id].update(self.waiting.pop(job_id))
+            self.refits += 1
+            self.refit_at_s[job_id] = now_s
+        return {job_id: self.fitters[job_id].model for job_id in ids}
 
     def forget(self, keep_job_ids: set[int]) -> None:
         """Drop models of jobs no longer planned."""
         for job_id in set(self.fitters) - keep_job_ids:
             self.fitters.pop(job_id, None)
-            self.last_sample_at.pop(job_id, None)
+            self.last_sample_id.pop(job_id, None)
+            self.waiting.pop(job_id, None)
+            self.refit_at_s.pop(job_id, None)
+
+
+def plan_facts(job: Job) -> tuple[object, ...]:
+    """What of a job its plan depends on (not its progress, which telemetry moves all the time)."""
+    return (
+        job.state,
+        job.held,
+        job.priority,
+        job.deadline_at,
+        job.begin_after,
+        job.min_gpus,
+        job.max_gpus,
+        job.best_effort,
+    )
+
+
+@dataclass(frozen=True)
+class PlannedJob:
+    """What acting on a plan needs of a planned job, as the snapshot read it."""
+
+    job_id: int
+    version: int  # the row's version when read
+    priority: int
+    deadline_at: datetime | None
+    facts: tuple[object, ...] = ()  # `plan_facts` when read: a change there means plan again
 
 
 @dataclass(frozen=True)
 class PlanningInput:
-    """A problem plus what is needed to act on its plan."""
+    """A snapshot, its problem, and what is needed to act on its plan."""
 
+    snapshot: ClusterSnapshot
     problem: AllocationProblem
-    jobs: dict[str, Job]
+    jobs: dict[str, PlannedJob]
     models: dict[str, JobModel]
     unplaceable: dict[int, str]
 
 
 def slot_intensities(
-    forecast: CarbonForecast, start_at: datetime, slot_s: float, num_slots: int
+    forecast: StepSeries, start_at: datetime, slot_s: float, num_slots: int
 ) -> tuple[float, ...]:
-    """Mean forecast intensity over each slot (exact step integration)."""
+    """Mean intensity of a step series (a forecast) over each slot (exact step integration)."""
     out = []
+    first_at, now_value = forecast.times[0], forecast.intensity_g_per_kwh[0]
     for t in range(num_slots):
         lo = start_at + timedelta(seconds=t * slot_s)
         hi = lo + timedelta(seconds=slot_s)
-        parts = split_by_steps(max(lo, forecast.points[0].at), hi, forecast)
+        parts = split_by_steps(max(lo, first_at), hi, forecast)
         total_s = sum(seconds for seconds, _ in parts)
         out.append(
-            sum(seconds * value for seconds, value in parts) / total_s
-            if total_s > 0
-            else forecast.now_g_per_kwh
+            sum(seconds * value for seconds, value in parts) / total_s if total_s > 0 else now_value
         )
     return tuple(out)
 
 
-def build_problem(
+def plans_hard_budget(config: GreenflowConfig) -> bool:
+    """Whether a plan is held to a hard budget: the cluster's or any team's."""
+    budget = config.budget
+    return budget.enforcement == "hard" or any(
+        team.enforcement == "hard" for team in budget.teams.values()
+    )
+
+
+def planning_series(forecast: CarbonForecast, config: GreenflowConfig) -> StepSeries:
+    """The intensity a plan is made with: under a hard budget the forecast's upper quantile
+    (`carbon.forecast_quantile` of the measured forecast error per horizon hour, so the budget
+    holds when the forecast is wrong; bench/budget_uncertainty.py), else the forecast itself."""
+    return forecast.upper_series() if plans_hard_budget(config) else forecast
+
+
+def live_knobs(config: GreenflowConfig) -> ProblemKnobs:
+    """The builder's knobs of the live service (the simulator's come from its own config).
+
+    No deadline margin and the least change cost: the service has no measured switch stall to
+    charge yet (the simulator charges its `switch_s`).
+    """
+    return ProblemKnobs(
+        budget_mode=BudgetMode(config.budget.enforcement),
+        carbon_price_s_per_kg=config.budget.soft_price_s_per_kg
+        if config.budget.enforcement == "soft"
+        else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class SnapshotRows:
+    """What the snapshot's transaction read: the rest of the snapshot needs no database."""
+
+    now: datetime
+    node_gpus: tuple[int, ...]
+    # (job, allowed GPU counts, samples left) per plannable job; the rows stay readable after
+    # the transaction (the session factory does not expire them on commit).
+    chosen: tuple[tuple[Job, tuple[int, ...], int], ...]
+    unplaceable: dict[int, str]
+    windows: tuple[BudgetWindow, ...]
+    # Queues of teams whose soft budget is spent: their jobs are planned at the lowest priority.
+    deprioritised: frozenset[str] = frozenset()
+    # Per team with a hard budget: its queues and what it has left per period of the horizon.
+    team_windows: tuple[tuple[str, frozenset[str], tuple[BudgetWindow, ...]], ...] = ()
+
+
+def read_snapshot(
     session: Session,
     config: GreenflowConfig,
     forecast: CarbonForecast,
     models: JobModels,
     now: datetime,
 ) -> PlanningInput:
-    """The problem of this tick: plannable jobs, ready capacity, the forecast and the budget left."""
+    """This tick's snapshot (ready capacity, plannable jobs with models, forecast, budget left)
+    read with a fixed number of queries, and the problem `build_problem` makes of it."""
+    return assemble_snapshot(read_rows(session, config, models, now), config, forecast, models)
+
+
+def read_rows(
+    session: Session, config: GreenflowConfig, models: JobModels, now: datetime
+) -> SnapshotRows:
+    """The snapshot's reads, in a fixed number of queries (the telemetry goes to `models`)."""
     slot_s = float(config.planner.slot_s)
     num_slots = max(1, int(config.planner.horizon_s // config.planner.slot_s))
     nodes = NodeRepository(session).nodes_with_slots(ready_only=True)
-    capacity = sum(len(n.slots) for n in nodes)
-    # A job runs inside one node (its process group does not span agents yet).
-    largest_node = max((len(n.slots) for n in nodes), default=0)
-    jobs: dict[str, Job] = {}
-    specs: list[JobSpec] = []
-    job_models: dict[str, JobModel] = {}
+    node_gpus = tuple(len(n.slots) for n in nodes)
+    # A job runs inside one node, or across the nodes whose agents reach each other (they
+    # advertised a rendezvous address): then it may use all of theirs together.
+    spannable = [len(n.slots) for n in nodes if n.rendezvous_host and n.worker_host_port]
+    largest_node = max(max(node_gpus, default=0), sum(spannable) if len(spannable) > 1 else 0)
     unplaceable: dict[int, str] = {}
+    chosen: list[tuple[Job, tuple[int, ...], int]] = []
+    # Queues whose team's hard budget is spent wait for the next period; a spent soft one's
+    # jobs are planned at the lowest priority.
+    spent = spent_team_queues(session, config, now)
+    over_budget, deprioritised = spent["hard"], spent["soft"]
     for job in JobRepository(session).in_states([s.value for s in PLANNABLE_STATES]):
-        if job.held or (job.begin_after is not None and job.begin_after > now):
+        if (
+            job.held
+            or job.queue in over_budget
+            or (job.begin_after is not None and job.begin_after > now)
+        ):
             continue
         remaining = (
             total_samples_of(job.total_samples, job.total_steps, job.global_batch_size)
@@ -134,50 +285,113 @@ def build_problem(
             allowed = allowed_gpu_counts(job.min_gpus, top)
         except InvalidProblem:
             unplaceable[job.id] = (
-                f"needs at least {job.min_gpus} GPUs on one node; the largest ready node has {largest_node}"
+                f"needs at least {job.min_gpus} GPUs; a job gets at most {largest_node} (the "
+                "largest ready node, or all nodes a job may span together)"
             )
             continue
-        model = models.model_for(session, job, allowed)
+        chosen.append((job, allowed, remaining))
+    priors = {
+        job.id: _prior(models, job.id, job.workload, job.global_batch_size, allowed)
+        for job, allowed, _ in chosen
+    }
+    models.refresh(session, priors)
+    models.forget(set(priors))
+    horizon_end = now + timedelta(seconds=slot_s * num_slots)
+    windows = tuple(
+        BudgetWindow(
+            start_s=(p.start_at - now).total_seconds(),
+            end_s=(p.end_at - now).total_seconds(),
+            budget_kg=p.left_kg,
+        )
+        for p in periods_for_horizon(session, config, now, horizon_end)
+    )
+    team_windows = tuple(
+        (
+            team,
+            frozenset(config.budget.teams[team].queues),
+            tuple(
+                BudgetWindow(
+                    start_s=(p.start_at - now).total_seconds(),
+                    end_s=(p.end_at - now).total_seconds(),
+                    budget_kg=p.left_kg,
+                )
+                for p in statuses
+            ),
+        )
+        for team, statuses in team_periods_for_horizon(session, config, now, horizon_end).items()
+    )
+    return SnapshotRows(
+        now,
+        node_gpus,
+        tuple(chosen),
+        unplaceable,
+        windows,
+        frozenset(deprioritised),
+        team_windows,
+    )
+
+
+def assemble_snapshot(
+    rows: SnapshotRows, config: GreenflowConfig, forecast: CarbonForecast, models: JobModels
+) -> PlanningInput:
+    """The snapshot and its problem from what `read_rows` read (refits, no database)."""
+    now = rows.now
+    slot_s = float(config.planner.slot_s)
+    num_slots = max(1, int(config.planner.horizon_s // config.planner.slot_s))
+    fitted = models.fitted(job.id for job, _, _ in rows.chosen)
+    plannable: list[PlannableJob] = []
+    jobs: dict[str, PlannedJob] = {}
+    job_models: dict[str, JobModel] = {}
+    for job, allowed, remaining in rows.chosen:
+        model = fitted[job.id]
         key = str(job.id)
-        jobs[key] = job
+        jobs[key] = PlannedJob(job.id, job.version, job.priority, job.deadline_at, plan_facts(job))
         job_models[key] = model
-        specs.append(
-            JobSpec(
+        plannable.append(
+            PlannableJob(
                 job_id=key,
                 allowed_gpus=allowed,
                 throughput_samples_per_s=tuple(model.throughput_samples_per_s[g] for g in allowed),
                 power_w=tuple(model.power_w[g] for g in allowed),
                 remaining_samples=float(remaining),
                 deadline_s=(job.deadline_at - now).total_seconds() if job.deadline_at else None,
-                priority=float(max(job.priority, 0) + 1),
-                current_gpus=job.current_gpus if job.current_gpus in allowed else 0,
+                priority=0 if job.queue in rows.deprioritised else job.priority,
+                current_gpus=job.current_gpus,
                 best_effort=job.best_effort,
             )
         )
-    models.forget({int(k) for k in jobs})
-    horizon_end = now + timedelta(seconds=slot_s * num_slots)
-    periods = tuple(
-        BudgetPeriod(
-            start_s=(p.start_at - now).total_seconds(),
-            end_s=(p.end_at - now).total_seconds(),
-            budget_left_kg=p.left_kg,
-        )
-        for p in periods_for_horizon(session, config, now, horizon_end)
-    )
-    problem = AllocationProblem(
+    snapshot = ClusterSnapshot(
         start_at=now,
         slot_s=slot_s,
-        capacity_gpus=(capacity,) * num_slots,
-        intensity_g_per_kwh=slot_intensities(forecast, now, slot_s, num_slots),
-        jobs=tuple(specs),
+        num_slots=num_slots,
+        node_gpus=rows.node_gpus,
+        intensity_g_per_kwh=slot_intensities(
+            planning_series(forecast, config), now, slot_s, num_slots
+        ),
+        jobs=tuple(plannable),
+        budget_windows=rows.windows,
         pue=config.cluster.pue,
-        budget_periods=periods,
-        budget_mode=BudgetMode(config.budget.enforcement),
-        carbon_price_s_per_kg=config.budget.soft_price_s_per_kg
-        if config.budget.enforcement == "soft"
-        else 0.0,
+        team_budgets=tuple(
+            TeamWindows(
+                team=team,
+                job_ids=frozenset(str(job.id) for job, _, _ in rows.chosen if job.queue in queues),
+                windows=windows,
+            )
+            for team, queues, windows in rows.team_windows
+        ),
     )
-    return PlanningInput(problem, jobs, job_models, unplaceable)
+    problem = build_problem(snapshot, live_knobs(config))
+    return PlanningInput(snapshot, problem, jobs, job_models, rows.unplaceable)
+
+
+def _prior(
+    models: JobModels, job_id: int, workload: str, batch: int, allowed: tuple[int, ...]
+) -> JobModel:
+    """The job's prior over `allowed`: the fitter's own when its counts still hold (no rebuild)."""
+    fitter = models.fitters.get(job_id)
+    if fitter is not None and fitter.prior.allowed_gpus == allowed:
+        return fitter.prior
+    return prior_job_model(workload, batch, allowed)
 
 
 def plan_row(plan: AllocationPlan, problem: AllocationProblem, degraded: bool) -> Plan:

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import tomllib
-from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from energy_model.carbon.factory import CarbonConfig
 
 
 class ConfigError(Exception):
@@ -30,10 +40,50 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535)
     # Off in tests and for API-only replicas; `greenflow serve` turns it on.
     run_control_loop: bool = True
+    # Failed sign-ins / bearer checks an address may make (in 5 minutes) before it must wait.
+    auth_failures_free: int = Field(default=5, ge=1, le=1_000_000)
+    # Seconds a process reuses a token it authenticated (0: look it up on every request); a
+    # revoked token stops working within this time.
+    auth_cache_s: float = Field(default=5.0, ge=0.0, le=60.0)
+    # Larger request bodies are refused (413) before they are read.
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
+    # Largest workdir bundle (the packed job code) a user may upload (PUT /v1/bundles/...).
+    max_bundle_bytes: int = Field(default=20 << 20, ge=1024, le=1 << 30)
+    # The key the scheduler derives its per-node secrets toward agents from (never stored in the
+    # database). Every replica needs the same key: set it, or the file, in production.
+    secret_key: SecretStr | None = Field(
+        default=None, description="Scheduler key (GREENFLOW_SECRET_KEY), at least 32 characters."
+    )
+    secret_key_file: Path | None = Field(
+        default=None,
+        description="File holding the scheduler key; default greenflow.key beside the SQLite "
+        "database or in the working directory, created on first start when missing.",
+    )
+
+
+class TeamBudget(BaseModel):
+    """A team's budget (`[budget.teams.<name>]`): what the jobs of its queues may emit per period."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queues: Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(min_length=1)]
+    limit_kg_co2e: Annotated[float, Field(gt=0)]
+    enforcement: Literal["hard", "soft"] = "hard"
+
+
+def _valid_time_zone(name: str) -> str:
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise ValueError(
+            f"unknown time zone {name!r} (an IANA name such as Europe/Berlin)"
+        ) from exc
+    return name
 
 
 class BudgetConfig(BaseModel):
-    """The carbon budget: a limit per period, enforced hard or priced softly."""
+    """The carbon budget: a cluster-wide limit per period, enforced hard or priced softly, and
+    optional per-team budgets under it (each job draws on the budget of its queue's team)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -42,32 +92,32 @@ class BudgetConfig(BaseModel):
     enforcement: Literal["hard", "soft"] = "hard"
     # Soft mode: how many seconds of weighted completion time one kg CO2e is worth.
     soft_price_s_per_kg: Annotated[float, Field(ge=0)] = 3600.0
+    # Periods start at local midnight (Monday, the 1st) of this IANA time zone.
+    time_zone: Annotated[str, AfterValidator(_valid_time_zone)] = "UTC"
+    # "carbon": periods run on the carbon clock, compressed like a replay's
+    # (`carbon.clock_speedup`; a day lasts 86,400 s / speedup), e.g. the demo's; "wall": on the
+    # wall clock whatever the replay's speed.
+    period_clock: Literal["wall", "carbon"] = "wall"
+    teams: dict[Annotated[str, Field(min_length=1, max_length=64)], TeamBudget] = {}
 
+    @model_validator(mode="after")
+    def _queues_in_one_team(self) -> BudgetConfig:
+        owner: dict[str, str] = {}
+        for team, budget in self.teams.items():
+            for queue in budget.queues:
+                if queue in owner:
+                    raise ValueError(
+                        f"queue {queue!r} is in the budgets of both {owner[queue]!r} and {team!r}"
+                    )
+                owner[queue] = team
+        return self
 
-class CarbonConfig(BaseModel):
-    """Where carbon intensity comes from and what to assume when it cannot be had."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    provider: Literal[
-        "synthetic", "trace", "electricitymaps", "watttime", "uk", "carbon-aware-sdk"
-    ] = "synthetic"
-    region: str = "local"
-    api_key_env: str | None = None
-    base_url: str | None = None
-    trace_path: Path | None = None
-    # Trace and synthetic providers replay this many trace seconds per wall-clock second.
-    clock_speedup: Annotated[float, Field(gt=0)] = 1.0
-    # Trace/synthetic providers: "model" forecasts from the replayed past (as a real provider
-    # would); "oracle" reveals the trace's own future (a perfect forecast, for experiments).
-    forecast_mode: Literal["model", "oracle"] = "model"
-    seed: int = 0
-    conservative_intensity_g_per_kwh: Annotated[float, Field(gt=0)] = 500.0
-    max_forecast_age_s: Annotated[int, Field(gt=0)] = 3600
-
-    def api_key(self) -> str | None:
-        """The API key from the environment variable the config names, if any."""
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+    def team_of(self, queue: str) -> str | None:
+        """The team whose budget a job of `queue` draws on (None: the cluster's only)."""
+        for team, budget in self.teams.items():
+            if queue in budget.queues:
+                return team
+        return None
 
 
 PolicyName = Literal["greenflow", "carbon-agnostic", "static", "carbon-greedy", "shift"]
@@ -96,6 +146,15 @@ class PlannerConfig(BaseModel):
     # A failed tick (a database error, say) is tried again after this many seconds, twice as
     # long after each further failure in a row, at most slot_s; a wake still ticks at once.
     tick_retry_initial_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    # A running job's model is refitted from its new telemetry at most this often (0: at every
+    # tick that has new samples for it).
+    model_refit_interval_s: Annotated[float, Field(ge=0, le=86_400)] = 0.0
+    # At most this many refits a tick, the longest waiting first (a refit takes about 45 ms: a
+    # thousand running jobs refitted at every tick would outgrow the solve).
+    model_refits_per_tick: Annotated[int, Field(ge=1, le=1_000_000)] = 64
+    # Wakes (submissions, cancels, registrations, finished jobs) within this many seconds of
+    # the last tick's start wait until then: a burst makes one tick, not one per request.
+    wake_coalesce_s: Annotated[float, Field(ge=0, le=60)] = 1.0
     # The allocation policy the control loop and admission both use (names of POLICIES).
     policy: PolicyName = "greenflow"
     seed: int = 0
@@ -113,11 +172,57 @@ class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     pue: Annotated[float, Field(ge=1.0, le=3.0)] = 1.2
+    # The node model agents estimate with where nothing measures (labelled "estimated"): an
+    # idle GPU's watts, and the host's (CPUs, memory, fans, disks) on nodes without RAPL.
     idle_power_per_gpu_w: Annotated[float, Field(ge=0, le=2000)] = 60.0
+    host_power_w: Annotated[float, Field(ge=0, le=100_000)] = 150.0
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     # How often agents heartbeat and report telemetry (told to them at registration).
     agent_heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
     agent_telemetry_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    # Telemetry is checked against these before it reaches the ledger: a sample may not claim
+    # more than its GPUs at this power (busy GPU plus its share of the host), ...
+    max_power_per_gpu_w: Annotated[float, Field(gt=0, le=10_000)] = 1500.0
+    # ... nor a throughput more than this many times the job's prior model at its GPU count.
+    telemetry_rate_factor: Annotated[float, Field(ge=1, le=10_000)] = 20.0
+
+
+EntrypointPattern = Annotated[
+    str,
+    Field(min_length=1, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*(:[A-Za-z0-9_*]+)?\*?$"),
+]
+
+
+class WorkloadConfig(BaseModel):
+    """Which `module:function` entrypoints users may run (presets are always allowed).
+
+    User code runs inside the job's worker processes on the node with the agent's rights, so
+    the operator decides what may run: nothing beyond the presets unless listed. A pattern is a
+    module (`mypkg` allows `mypkg:f` and `mypkg.sub:f`), or `module:function` exactly, or ends
+    in `*` as a prefix."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allowed_entrypoints: list[EntrypointPattern] = []
+    # Per queue, replacing the global list for that queue.
+    queues: dict[str, list[EntrypointPattern]] = {}
+    # Hours a workdir bundle is kept after its last use (upload, a job naming it, the finish of
+    # the last job using it); then the leader's hourly sweep removes its bytes.
+    bundle_retention_h: float = Field(default=168.0, gt=0, le=24 * 3650)
+
+    def allows(self, entrypoint: str, queue: str) -> bool:
+        """Whether users may run `entrypoint` on `queue`."""
+        module = entrypoint.split(":", 1)[0]
+        for pattern in self.queues.get(queue, self.allowed_entrypoints):
+            if pattern.endswith("*"):
+                if entrypoint.startswith(pattern[:-1]):
+                    return True
+            elif ":" in pattern:
+                if entrypoint == pattern:
+                    return True
+            elif module == pattern or module.startswith(pattern + "."):
+                return True
+        return False
 
 
 class GreenflowConfig(BaseModel):
@@ -129,6 +234,7 @@ class GreenflowConfig(BaseModel):
     carbon: CarbonConfig = CarbonConfig()
     planner: PlannerConfig = PlannerConfig()
     cluster: ClusterConfig = ClusterConfig()
+    workloads: WorkloadConfig = WorkloadConfig()
 
     @field_validator("planner")
     @classmethod
@@ -167,9 +273,3 @@ def load_config(path: Path | None) -> GreenflowConfig:
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ConfigError(f"config file {path}: {_describe_error(first)}") from exc
-
-
-@lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    """The process-wide settings object."""
-    return Settings()

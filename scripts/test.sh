@@ -15,5 +15,13 @@ echo "== alembic (upgrade + check, SQLite)"
 tmpdb="$(mktemp -d)/check.db"
 GREENFLOW_DATABASE_URL="sqlite:///$tmpdb" greenflow db upgrade
 GREENFLOW_DATABASE_URL="sqlite:///$tmpdb" alembic check
-echo "== pytest"
-pytest -q -p no:cacheprovider "$@"
+if [ "$#" -eq 0 ]; then
+  # On their own, so the log says how many ran and, where namespaces cannot be made, why not.
+  echo "== pytest: multi-node (network namespaces, veth links)"
+  pytest -q -p no:cacheprovider -rs tests/multinode
+  echo "== pytest"
+  pytest -q -p no:cacheprovider --ignore=tests/multinode
+else
+  echo "== pytest"
+  pytest -q -p no:cacheprovider "$@"
+fi

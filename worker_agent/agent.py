@@ -1,101 +1,82 @@
-"""The worker agent: registers with the scheduler, heartbeats, reports telemetry, and serves the
-allocation API (start / hot-switch / pause / resume / stop jobs on this node's GPU slots).
+"""The worker agent's job book: the jobs on this node's GPU slots, who holds which slot, and the
+allocation commands (start / hot-switch / pause / resume / stop) applied to them.
 
-One process per node. The HTTP API runs on uvicorn; jobs train in their runners' background
-threads and worker processes; heartbeats, telemetry and finish detection are small named threads.
+One process per node. The HTTP API (`api.py`) runs on uvicorn; the scheduler link
+(`scheduler_link.py`) registers, heartbeats and sends telemetry; jobs train in their runners'
+background threads and worker processes; finish detection is a small named thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
-import socket
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
 
 import httpx
-import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception_type,
-    stop_after_delay,
-    wait_exponential,
-)
+from pydantic import ValidationError
 
+from worker_agent.bundle import (
+    DEFAULT_CACHE_MAX_BYTES,
+    BundleError,
+    mark_used,
+    prune_cache,
+    unpack_bundle,
+)
 from worker_agent.checkpoints import CheckpointStore
-from worker_agent.managed import ManagedJob, PowerReader
+from worker_agent.errors import (
+    BadAllocation,
+    BundleUnavailable,
+    JobCodeError,
+    JobFailedError,
+    JobGone,
+    SlotConflict,
+    StaleGeneration,
+    SwitchRejected,
+)
+from worker_agent.logstore import (
+    DEFAULT_MAX_BYTES,
+    Stream,
+    job_dir,
+    read_chunk,
+    scalar_curve,
+    trim,
+)
+from worker_agent.managed import ClusterAccess, ManagedJob, PowerReader
 from worker_agent.protocol import (
-    AGENT_SECRET_HEADER,
     AgentStatus,
     AllocationAck,
     AllocationCommand,
     GpuSlotInfo,
-    Heartbeat,
-    HeartbeatAck,
-    NodeRegistered,
-    NodeRegistration,
+    JobLogChunk,
+    JobScalarCurve,
     PowerSource,
+    RemotePart,
     RunningJob,
     StopCommand,
-    TelemetryAck,
-    TelemetryReport,
 )
-from worker_agent.runtime.errors import JobSpecError, LayoutError, SwitchFailed, WorkerFailed
-from worker_agent.telemetry import NvmlMeter, Outbox, energy_kwh
+from worker_agent.runtime.errors import (
+    JobCodeFailed,
+    JobSpecError,
+    LayoutError,
+    SwitchFailed,
+    WorkerFailed,
+)
+from worker_agent.runtime.remote import WorkerHost
+from worker_agent.scheduler_link import SchedulerLink
+from worker_agent.telemetry import J_PER_KWH, NvmlMeter, Outbox, energy_kwh
 from worker_agent.workloads import WorkloadError, job_spec_for
 
 log = logging.getLogger("greenflow.agent")
 
-MAX_BATCH = 1000  # TelemetryReport.samples max_length
 MAX_ENDED = 1000  # tombstones of stopped jobs kept for idempotent repeats
-
-
-# ----- errors ---------------------------------------------------------------------------------
-class AgentError(Exception):
-    """An error the allocation API answers with `status_code` and this message."""
-
-    status_code = 409
-
-
-class StaleGeneration(AgentError):
-    """A command older than the generation the job already applied."""
-
-
-class SlotConflict(AgentError):
-    """A slot the command names is held by another job."""
-
-
-class JobGone(AgentError):
-    """The job already finished, failed, or was stopped on this agent."""
-
-
-class BadAllocation(AgentError):
-    """The command cannot be applied as given (bad slots, no layout, bad workload)."""
-
-    status_code = 422
-
-
-class SwitchRejected(AgentError):
-    """The hot switch failed and the job was rolled back to its old slots."""
-
-
-class JobFailedError(AgentError):
-    """The job's workers failed while applying the command."""
-
-    status_code = 503
-
-
-class _Retryable(Exception):
-    """A scheduler answer worth retrying (5xx, 429)."""
+LOG_TRIM_INTERVAL_S = 5.0
+REMOTE_RELEASE_WAIT_S = 10.0
+"""How long a command waits for another node's job's released workers to leave its slots."""
 
 
 # ----- configuration --------------------------------------------------------------------------
@@ -120,21 +101,38 @@ class AgentConfig:
     checkpoint_dir: Path | None = None
     """Shared storage for job checkpoints (None: a lost node's jobs restart from step 0)."""
     checkpoint_interval_s: float = 300.0
+    data_dir: Path | None = None
+    """The agent's own files: workdir bundle cache (`bundles/<sha256>`), jobs' output (`logs/`);
+    None: a new temporary directory, removed at shutdown."""
+    export_dir: Path | None = None
+    """Where a finished module job's result is exported (None: `<data_dir>/exports`; the CLI
+    defaults to the user's data directory)."""
+    bundle_cache_max_bytes: int = DEFAULT_CACHE_MAX_BYTES
+    """Cap on the unpacked workdir bundles in `<data_dir>/bundles`; the least recently used go
+    first, never one a job on this agent uses."""
+    log_max_bytes: int = DEFAULT_MAX_BYTES
+    """Cap on each worker's captured output (and on its scalars), kept in `<data_dir>/logs`."""
+    dcgm_url: str | None = None
+    """A DCGM exporter's Prometheus endpoint to read GPU power from when NVML is not used."""
+    rapl_root: Path | None = Path("/sys/class/powercap")
+    """Where RAPL's CPU package energy counters are (None: estimate the host from the model)."""
+    rendezvous_host: str | None = None
+    """The address other nodes reach this node on: its worker host listens there, and jobs
+    whose runner is here host their rendezvous store there. None: jobs stay inside this node."""
+    worker_host_port: int = 0
+    """The worker host's port (0: a free one, sent at registration)."""
 
 
 # ----- the agent ------------------------------------------------------------------------------
 class Agent:
-    """Jobs on this node's slots, and the loops that talk to the scheduler."""
+    """Jobs on this node's slots; the scheduler link and the monitor loop run beside them."""
 
     def __init__(self, config: AgentConfig, nvml: NvmlMeter | None = None) -> None:
         self.config = config
-        self.agent_url = config.advertise_url or ""
         self.nvml = nvml
         self.outbox = Outbox(config.outbox_max_samples)
-        self.registered: NodeRegistered | None = None
-        self._registered_event = threading.Event()
         self._shutdown = threading.Event()
-        self._flush_now = threading.Event()
+        self.link = SchedulerLink(config, self, self.outbox, self._shutdown, nvml=nvml)
         self._lock = threading.Lock()
         self._jobs: dict[int, ManagedJob] = {}
         self._slot_owner: dict[int, int] = {}
@@ -142,29 +140,81 @@ class Agent:
         self._ended: dict[int, RunningJob] = {}
         self._stop_commanded: set[int] = set()
         self._threads: list[threading.Thread] = []
-        self.fatal_error: str | None = None
-        """Why the agent gave up on its own (the CLI exits 2 with it)."""
-        self.on_fatal: Callable[[], None] | None = None
         self._nvml_energy_j: dict[int, tuple[tuple[int, ...], float]] = {}
         self._checkpoints = (
             None if config.checkpoint_dir is None else CheckpointStore(config.checkpoint_dir)
         )
+        self.data_dir = config.data_dir or Path(
+            tempfile.mkdtemp(prefix=f"greenflow-agent-{config.name}-")
+        )
+        self.export_dir = config.export_dir or self.data_dir / "exports"
+        self.logs_dir = self.data_dir / "logs"
+        self._trimmed_at = 0.0
+        self._bundle_lock = threading.Lock()
+        self.worker_host: WorkerHost | None = None
+        """Starts this node's workers of jobs whose runner is on another node."""
+        self._cluster: ClusterAccess | None = None
+        if config.rendezvous_host is not None:
+            # A random secret (no grant matches it) until the first registration's answer.
+            self.worker_host = WorkerHost(
+                config.rendezvous_host, secrets.token_hex(32).encode(), config.worker_host_port
+            )
+            config.worker_host_port = self.worker_host.port
+            self.worker_host.admit = self._admit_remote
+            self._cluster = ClusterAccess(config.rendezvous_host)
+        self.link.on_registered = self._registered
+        self.link.remote_holders = self.remote_holders
+
+    def remote_holders(self) -> dict[int, int]:
+        """Slot -> job of this node's slots running workers of jobs whose runner is elsewhere."""
+        if self.worker_host is None:
+            return {}
+        return {
+            slot: int(job)
+            for slot, job in self.worker_host.holdings().items()
+            if job is not None and job.isdigit()
+        }
+
+    def _admit_remote(self, slot: int | None, job: str | None) -> None:
+        """A runner on another node asks this node's worker host for a worker on `slot`:
+        refused unless the slot exists and no other job holds it here."""
+        known = {s.index for s in self.config.slots}
+        if slot is None or slot not in known:
+            raise ValueError(f"slot {slot} does not exist on node {self.config.name}")
+        others = {s: str(j) for s, j in self.remote_holders().items()}
+        with self._lock:
+            others |= {s: str(j) for s, j in self._slot_owner.items()}
+        holder = others.get(slot)
+        if holder is not None and holder != job:
+            raise ValueError(f"slot {slot} of node {self.config.name} is held by job {holder}")
+
+    def _registered(self, agent_secret: str) -> None:
+        """A registration drew a new node secret: grants derive from it from now on."""
+        if self.worker_host is not None:
+            self.worker_host.secret = agent_secret.encode()
 
     # ----- lifecycle ------------------------------------------------------------------------
     def start_background(self) -> None:
         """Start registration, heartbeat, telemetry and monitor threads."""
         for name, target in (
-            ("greenflow-agent-heartbeat", self._heartbeat_loop),
-            ("greenflow-agent-telemetry", self._telemetry_loop),
+            ("greenflow-agent-heartbeat", self.link.heartbeat_loop),
+            ("greenflow-agent-telemetry", self.link.telemetry_loop),
             ("greenflow-agent-monitor", self._monitor_loop),
         ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+        if self.worker_host is not None:
+            # Not joined at shutdown: close() ends its accept loop.
+            threading.Thread(
+                target=self.worker_host.serve_forever, name="greenflow-worker-host", daemon=True
+            ).start()
 
     def shutdown(self) -> None:
         """Stop every job's workers, send what telemetry is pending (briefly), stop the loops."""
         self._shutdown.set()
+        # The node's last power interval, while its jobs still hold their GPUs.
+        self.link.cut_node_power()
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
@@ -174,18 +224,29 @@ class Agent:
                     self.outbox.put(sample)
                 job.stop()
             self._release_slots(job.job_id, keep=[])
-        self._flush_now.set()
+        if self.worker_host is not None:
+            self.worker_host.close()
+        self.link.flush_now.set()
         for t in self._threads:
             t.join(timeout=15)
-        if len(self.outbox) and self.registered is not None:
-            with self._client() as client:
-                self._flush(client, give_up_after_s=2.0)
+        pending = len(self.outbox) + len(self.link.node_power_outbox)
+        if pending and self.link.registered is not None:
+            with self.link.client() as client:
+                self.link.flush(client, give_up_after_s=2.0)
+        if self.config.data_dir is None and self.config.export_dir is not None:
+            # A directory of our own making (the exports are elsewhere): nothing in it is kept.
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
     # ----- allocation API -------------------------------------------------------------------
     def apply_allocation(self, cmd: AllocationCommand) -> AllocationAck:
         """Apply an allocation command (start, hot-switch, pause, resume) idempotently."""
-        job = self._job_for(cmd)
+        workdir, bundle_problem = self._workdir_for(cmd)
+        job = self._job_for(cmd, workdir)
         with job.lock:
+            if job.state in ("stopped", "failed") and cmd.generation > job.generation:
+                # It ended (its workers died) between the lookup and the lock: a newer
+                # generation places it here afresh, as `_job_for` does for an ended job.
+                return self.apply_allocation(cmd)
             if cmd.generation < job.generation:
                 raise StaleGeneration(
                     f"job {cmd.job_id}: command generation {cmd.generation} is older than "
@@ -205,6 +266,9 @@ class Agent:
                         f"({job.spec.model_dump()}); a job's workload cannot change"
                     )
                 slots = self._check_slots(cmd)
+                if bundle_problem is not None and job.state == "idle":
+                    job.fail(bundle_problem, job_code=True)
+                    raise JobCodeError(f"job {cmd.job_id}: {job.error}")
                 job.estimated_power_w = dict(cmd.estimated_power_w)
                 self._reserve(job, slots)
                 ack = self._apply(job, cmd, slots)
@@ -271,6 +335,22 @@ class Agent:
                 self._stop_commanded.add(job.job_id)
             return job.running_job()
 
+    def job_logs(
+        self,
+        job_id: int,
+        rank: int,
+        stream: Stream,
+        offset: int,
+        limit: int,
+        tail: int | None = None,
+    ) -> JobLogChunk:
+        """A piece of a job worker's captured output (also after the job ended here)."""
+        return read_chunk(self.logs_dir, job_id, rank, stream, offset, limit, tail)
+
+    def job_curve(self, job_id: int, max_points: int) -> JobScalarCurve:
+        """The job's logged scalars per step, across its workers (also after it ended here)."""
+        return scalar_curve(self.logs_dir, job_id, max_points)
+
     def status(self) -> AgentStatus:
         """Every job this agent runs or still reports."""
         return AgentStatus(name=self.config.name, jobs=self.running_jobs())
@@ -281,13 +361,47 @@ class Agent:
             jobs = sorted(self._jobs.values(), key=lambda j: j.job_id)
         return [j.running_job() for j in jobs]
 
-    def free_slots(self) -> list[int]:
-        """Slot indices no job holds."""
-        with self._lock:
-            return [s.index for s in self.config.slots if s.index not in self._slot_owner]
-
     # ----- allocation internals -------------------------------------------------------------
-    def _job_for(self, cmd: AllocationCommand) -> ManagedJob:
+    def _workdir_for(self, cmd: AllocationCommand) -> tuple[str | None, str | None]:
+        """(the job's unpacked workdir bundle, None) or (None, why the bundle is unusable);
+        fetched from the scheduler once per bundle, then taken from the cache."""
+        sha = cmd.spec.bundle_sha256
+        if sha is None:
+            return None, None
+        cache = self.data_dir / "bundles"
+        # One fetch (or eviction) at a time: two jobs of one bundle must not both download it.
+        with self._bundle_lock:
+            if (cache / sha).is_dir():
+                mark_used(cache / sha)
+                return str(cache / sha), None
+            try:
+                data = self.link.get_bundle(sha)
+            except (httpx.HTTPError, RuntimeError) as exc:
+                raise BundleUnavailable(
+                    f"job {cmd.job_id}: cannot fetch bundle {sha[:12]} now: {exc}"
+                ) from exc
+            if data is None:
+                return None, f"workdir bundle {sha[:12]} is not on the scheduler"
+            try:
+                path = unpack_bundle(data, sha, cache)
+            except BundleError as exc:
+                return None, f"workdir bundle unusable: {exc}"
+            log.info("job %d: bundle %s unpacked to %s", cmd.job_id, sha[:12], path)
+            with self._lock:
+                held = {
+                    j.spec.bundle_sha256
+                    for j in self._jobs.values()
+                    if j.state not in ("stopped", "finished", "failed")
+                    and j.spec.bundle_sha256 is not None
+                }
+            evicted = prune_cache(cache, self.config.bundle_cache_max_bytes, {sha, *held})
+            if evicted:
+                log.info(
+                    "bundle cache over its cap: removed %s", ", ".join(e[:12] for e in evicted)
+                )
+            return str(path), None
+
+    def _job_for(self, cmd: AllocationCommand, workdir: str | None = None) -> ManagedJob:
         with self._lock:
             job = self._jobs.get(cmd.job_id)
             if job is not None:
@@ -307,7 +421,7 @@ class Agent:
                 log.info("job %d: generation %d restarts it here", cmd.job_id, cmd.generation)
                 del self._ended[cmd.job_id]
             try:
-                job_spec = job_spec_for(cmd.spec, len(self.config.slots))
+                job_spec = job_spec_for(cmd.spec, len(self.config.slots), workdir)
             except (WorkloadError, ValidationError, ValueError) as exc:
                 raise BadAllocation(f"job {cmd.job_id}: {exc}") from exc
             job = ManagedJob(
@@ -319,6 +433,9 @@ class Agent:
                 power_reader=None if self.nvml is None else self._nvml_reader(),
                 checkpoints=self._checkpoints,
                 checkpoint_interval_s=self.config.checkpoint_interval_s,
+                log_dir=job_dir(self.logs_dir, cmd.job_id),
+                cluster=self._cluster,
+                export_root=self.export_dir,
             )
             self._jobs[cmd.job_id] = job
             return job
@@ -334,15 +451,33 @@ class Agent:
                 f"slot_indices {unknown} do not exist on node {self.config.name} "
                 f"(slots: {sorted(known)})"
             )
+        if cmd.remote:
+            if self._cluster is None:
+                raise BadAllocation(
+                    f"job {cmd.job_id}: remote slots on {[p.node for p in cmd.remote]}, but this "
+                    "agent runs jobs inside its node only (no --rendezvous-host)"
+                )
+            nodes = [p.node for p in cmd.remote]
+            if not slots or self.config.name in nodes or len(set(nodes)) != len(nodes):
+                raise BadAllocation(
+                    f"job {cmd.job_id}: a job across nodes needs slots on this node and each "
+                    f"other node once (remote parts on {nodes})"
+                )
         return slots
 
     def _reserve(self, job: ManagedJob, slots: list[int]) -> None:
+        # Workers of jobs whose runner is on another node hold their slots here too. One that
+        # its runner just released (the scheduler sends shrinks first) exits within seconds.
+        deadline = time.monotonic() + REMOTE_RELEASE_WAIT_S
+        remote = self.remote_holders()
+        while any(remote.get(s, job.job_id) != job.job_id for s in slots):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+            remote = self.remote_holders()
         with self._lock:
-            taken = {
-                s: self._slot_owner[s]
-                for s in slots
-                if self._slot_owner.get(s, job.job_id) != job.job_id
-            }
+            owners = remote | self._slot_owner
+            taken = {s: owners[s] for s in slots if owners.get(s, job.job_id) != job.job_id}
             if taken:
                 desc = ", ".join(f"slot {s} by job {j}" for s, j in sorted(taken.items()))
                 raise SlotConflict(f"job {job.job_id}: slots are held ({desc}); free them first")
@@ -365,12 +500,14 @@ class Agent:
                     log.info("job %d paused at step %d (state in memory)", job.job_id, job.step)
                 return job.ack(cmd.generation)
             if job.state in ("idle", "paused"):
-                job.start(slots)
+                job.start(slots, cmd.remote)
                 return job.ack(cmd.generation)
-            if set(slots) == set(job.slot_indices):
+            if set(slots) == set(job.slot_indices) and _remote_slots(cmd.remote) == _remote_slots(
+                job.remote
+            ):
                 return job.ack(cmd.generation)
             self._cut(job)
-            report, sample = job.resize(slots)
+            report, sample = job.resize(slots, cmd.remote)
             if sample is not None:
                 self.outbox.put(sample)
             return job.ack(cmd.generation, report)
@@ -381,6 +518,9 @@ class Agent:
                 f"job {job.job_id}: hot switch to slots {slots} failed and was rolled back to "
                 f"slots {job.slot_indices} ({exc.recovered_from}): {exc}"
             ) from exc
+        except JobCodeFailed as exc:
+            job.fail(str(exc), job_code=True)
+            raise JobCodeError(f"job {job.job_id}: the job's code failed: {job.error}") from exc
         except WorkerFailed as exc:
             job.fail(str(exc))
             raise JobFailedError(f"job {job.job_id}: workers failed: {exc}") from exc
@@ -412,129 +552,14 @@ class Agent:
                 and total_j >= last[1]
             ):
                 joules = total_j - last[1]
-                return joules / interval_s, joules / 3.6e6, "nvml"
+                return joules / interval_s, joules / J_PER_KWH, "nvml"
             power_w = nvml.power_w(job.slot_indices)
             return power_w, energy_kwh(power_w, interval_s), "nvml"
 
         return read
 
     # ----- scheduler calls ------------------------------------------------------------------
-    def _client(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.config.scheduler_url.rstrip("/"),
-            headers={"Authorization": f"Bearer {self.config.token}"},
-            timeout=self.config.request_timeout_s,
-        )
-
-    def _post(
-        self, client: httpx.Client, path: str, body: BaseModel, give_up_after_s: float | None
-    ) -> httpx.Response:
-        """POST with exponential backoff on network errors, 5xx and 429; other answers return."""
-
-        def attempt() -> httpx.Response:
-            resp = client.post(
-                path, content=body.model_dump_json(), headers={"content-type": "application/json"}
-            )
-            if resp.status_code >= 500 or resp.status_code == 429:
-                raise _Retryable(f"{path}: HTTP {resp.status_code} {resp.text[:200]}")
-            return resp
-
-        def give_up(state: RetryCallState) -> bool:
-            if self._shutdown.is_set():
-                return True
-            return give_up_after_s is not None and stop_after_delay(give_up_after_s)(state)
-
-        def note(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            log.warning("scheduler %s unreachable (%s); retrying", path, exc)
-
-        def sleep(seconds: float) -> None:
-            self._shutdown.wait(seconds)  # wakes early when the agent shuts down
-
-        retrying = Retrying(
-            retry=retry_if_exception_type((httpx.TransportError, _Retryable)),
-            wait=wait_exponential(multiplier=0.2, max=self.config.backoff_cap_s),
-            stop=give_up,
-            sleep=sleep,
-            before_sleep=note,
-            reraise=True,
-        )
-        return retrying(attempt)
-
-    def register(self, client: httpx.Client) -> NodeRegistered | None:
-        """Register (retrying until it works or the agent shuts down)."""
-        body = NodeRegistration(
-            name=self.config.name,
-            agent_url=self.agent_url,
-            agent_secret=self.config.secret,
-            gpu_kind=self.config.gpu_kind,
-            simulated=self.config.simulated,
-            slots=self.config.slots,
-        )
-        while not self._shutdown.is_set():
-            try:
-                resp = self._post(client, "/v1/nodes/register", body, give_up_after_s=None)
-            except (httpx.TransportError, _Retryable) as exc:
-                if self._shutdown.is_set():
-                    return None
-                log.warning("registration failed: %s", exc)
-                continue
-            if resp.status_code in (200, 201):
-                registered = NodeRegistered.model_validate_json(resp.content)
-                self.registered = registered
-                self._registered_event.set()
-                log.info(
-                    "registered as node %d (%s at %s)",
-                    registered.node_id,
-                    self.config.name,
-                    self.agent_url,
-                )
-                return registered
-            refusal = f"scheduler refused registration: HTTP {resp.status_code} {resp.text[:300]}"
-            if self.registered is None and 400 <= resp.status_code < 500:
-                # A bad token or an incompatible request on the first try will not fix itself.
-                self.fatal_error = refusal
-                log.error("%s; stopping", refusal)
-                self._shutdown.set()
-                if self.on_fatal is not None:
-                    self.on_fatal()
-                return None
-            log.error("%s; retrying", refusal)
-            self._shutdown.wait(self.config.backoff_cap_s)
-        return None
-
-    def _heartbeat_loop(self) -> None:
-        with self._client() as client:
-            if self.register(client) is None:
-                return
-            while not self._shutdown.is_set():
-                assert self.registered is not None
-                if self._shutdown.wait(self.registered.heartbeat_interval_s):
-                    return
-                try:
-                    self._heartbeat(client)
-                except Exception as exc:  # the loop must survive anything the scheduler does
-                    log.warning("heartbeat failed: %s", exc)
-
-    def _heartbeat(self, client: httpx.Client) -> None:
-        body = Heartbeat(jobs=self.running_jobs())
-        reported_stopped = {j.job_id for j in body.jobs if j.gpus == 0} & self._stopped_ids()
-        assert self.registered is not None
-        path = f"/v1/nodes/{self.config.name}/heartbeat"
-        resp = self._post(client, path, body, give_up_after_s=self.registered.heartbeat_interval_s)
-        if resp.status_code == 404:
-            log.warning("scheduler does not know this node: registering again")
-            self.register(client)
-            return
-        if resp.status_code != 200:
-            log.error("heartbeat refused: HTTP %d %s", resp.status_code, resp.text[:300])
-            return
-        ack = HeartbeatAck.model_validate_json(resp.content)
-        self._forget(reported_stopped)
-        for job_id in ack.stop_job_ids:
-            self._stop_unwanted(job_id)
-
-    def _stopped_ids(self) -> set[int]:
+    def stopped_ids(self) -> set[int]:
         """Jobs to forget once a heartbeat has reported them: stopped here, or told to stop."""
         with self._lock:
             return {
@@ -543,7 +568,7 @@ class Agent:
                 if j.state == "stopped" or j.job_id in self._stop_commanded
             }
 
-    def _forget(self, job_ids: set[int]) -> None:
+    def forget(self, job_ids: set[int]) -> None:
         """Move stopped jobs the scheduler has now seen into the small tombstone map."""
         for job_id in job_ids:
             with self._lock:
@@ -563,7 +588,7 @@ class Agent:
                 while len(self._ended) > MAX_ENDED:
                     self._ended.pop(next(iter(self._ended)))
 
-    def _stop_unwanted(self, job_id: int) -> None:
+    def stop_unwanted(self, job_id: int) -> None:
         """The scheduler no longer wants this job here: stop it and forget it."""
         with self._lock:
             job = self._jobs.get(job_id)
@@ -580,55 +605,25 @@ class Agent:
                 self._jobs.pop(job_id, None)
                 self._ended[job_id] = final
 
-    def _telemetry_loop(self) -> None:
-        while not self._registered_event.wait(0.5):
-            if self._shutdown.is_set():
-                return
-        with self._client() as client:
-            while True:
-                assert self.registered is not None
-                self._flush_now.wait(self.registered.telemetry_interval_s)
-                self._flush_now.clear()
-                if self._shutdown.is_set():
-                    return
-                with self._lock:
-                    jobs = list(self._jobs.values())
-                for job in jobs:
-                    # A job busy with a command cuts its own sample; don't wait for it.
-                    if job.lock.acquire(timeout=0.05):
-                        try:
-                            self._cut(job)
-                        finally:
-                            job.lock.release()
+    def cut_samples(self) -> None:
+        """Close every job's telemetry interval into the outbox (the telemetry loop's tick)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            # A job busy with a command cuts its own sample; don't wait for it.
+            if job.lock.acquire(timeout=0.05):
                 try:
-                    self._flush(client, give_up_after_s=self.registered.telemetry_interval_s)
-                except Exception as exc:
-                    log.warning("telemetry not sent (%d queued): %s", len(self.outbox), exc)
-
-    def _flush(self, client: httpx.Client, give_up_after_s: float) -> None:
-        """Send queued samples in batches; keep them queued if the scheduler is unreachable."""
-        while len(self.outbox):
-            batch = self.outbox.peek(MAX_BATCH)
-            resp = self._post(
-                client,
-                "/v1/telemetry",
-                TelemetryReport(samples=batch, node=self.config.name),
-                give_up_after_s,
-            )
-            if resp.status_code == 200:
-                TelemetryAck.model_validate_json(resp.content)
-                self.outbox.ack(batch)
-            elif resp.status_code == 422:
-                # Invalid samples would block the queue forever: log them and drop them.
-                log.error("scheduler rejected %d samples: %s", len(batch), resp.text[:500])
-                self.outbox.ack(batch)
-            else:
-                log.warning("telemetry refused: HTTP %d %s", resp.status_code, resp.text[:300])
-                return
+                    self._cut(job)
+                finally:
+                    job.lock.release()
 
     def _monitor_loop(self) -> None:
         """Notice jobs that trained all their samples (or whose workers died) and end them."""
         while not self._shutdown.wait(self.config.monitor_interval_s):
+            now = time.monotonic()
+            if now - self._trimmed_at > LOG_TRIM_INTERVAL_S:
+                self._trimmed_at = now
+                trim(self.logs_dir, self.config.log_max_bytes)
             with self._lock:
                 jobs = [j for j in self._jobs.values() if j.state == "running"]
             for job in jobs:
@@ -651,127 +646,23 @@ class Agent:
         except WorkerFailed as exc:
             log.error("job %d failed: %s", job.job_id, exc)
             self._cut(job)
-            job.fail(str(exc))
+            message = str(exc)
+            if job.remote:
+                # Say which node went, so the scheduler's event names it.
+                lost = job.runner.lost_nodes() if job.runner is not None else []
+                if lost:
+                    message = f"workers on node(s) {', '.join(lost)} lost: {message}"
+            job.fail(message, job_code=isinstance(exc, JobCodeFailed))
             self._release_slots(job.job_id, keep=[])
-            self._flush_now.set()
+            self.link.flush_now.set()
             return
         if job.reached_end():
             self._cut(job, finished=True)
-            job.stop("finished")
+            job.stop("finished", export_dir=self.export_dir / f"job-{job.job_id}")
             self._release_slots(job.job_id, keep=[])
             log.info("job %d finished at step %d", job.job_id, job.step)
-            self._flush_now.set()
+            self.link.flush_now.set()
 
 
-# ----- HTTP API -------------------------------------------------------------------------------
-def create_app(agent: Agent) -> FastAPI:
-    """The agent's FastAPI app (every route but /healthz needs the agent secret)."""
-
-    app = FastAPI(title="GreenFlow agent")
-
-    def require_secret(
-        secret: Annotated[str | None, Header(alias=AGENT_SECRET_HEADER)] = None,
-    ) -> None:
-        if secret is None or not secrets.compare_digest(
-            secret.encode(), agent.config.secret.encode()
-        ):
-            raise HTTPException(401, f"missing or wrong {AGENT_SECRET_HEADER} header")
-
-    Authorized = Depends(require_secret)
-
-    @app.exception_handler(AgentError)
-    async def agent_error(request: Request, exc: AgentError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=exc.status_code)
-
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        """Liveness (no secret needed)."""
-        return {"status": "ok", "name": agent.config.name}
-
-    @app.get("/status", dependencies=[Authorized])
-    def status() -> AgentStatus:
-        """Every job this agent runs."""
-        return agent.status()
-
-    @app.post("/jobs/{job_id}/allocation", dependencies=[Authorized])
-    def allocation(job_id: int, cmd: AllocationCommand) -> AllocationAck:
-        """Apply an allocation: start, hot-switch, pause (0 slots) or resume a job."""
-        if cmd.job_id != job_id:
-            raise HTTPException(422, f"body job_id {cmd.job_id} differs from path job_id {job_id}")
-        return agent.apply_allocation(cmd)
-
-    @app.post("/jobs/{job_id}/stop", dependencies=[Authorized])
-    def stop(job_id: int, cmd: StopCommand) -> RunningJob:
-        """Stop a job for good and free its slots."""
-        if cmd.job_id != job_id:
-            raise HTTPException(422, f"body job_id {cmd.job_id} differs from path job_id {job_id}")
-        return agent.stop_job(cmd)
-
-    return app
-
-
-# ----- serving --------------------------------------------------------------------------------
-class _AgentServer(uvicorn.Server):
-    """uvicorn server that exits cleanly on SIGINT/SIGTERM instead of re-raising the signal."""
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.should_exit:
-            self.force_exit = True
-        self.should_exit = True
-
-
-@contextlib.contextmanager
-def bound_socket(host: str, port: int) -> Iterator[socket.socket]:
-    """A listening TCP socket (port 0 = a free port chosen by the OS)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.set_inheritable(True)
-        yield sock
-    finally:
-        sock.close()
-
-
-def reachable_url(host: str, port: int) -> str:
-    """The URL others reach this agent at when it listens on host:port."""
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.getfqdn()
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
-
-
-def serve(
-    config: AgentConfig,
-    nvml: NvmlMeter | None = None,
-) -> str | None:
-    """Run the agent until SIGINT/SIGTERM, then stop every job's workers.
-
-    Returns None, or why the agent stopped on its own (the scheduler refused its registration).
-    """
-    with bound_socket(config.host, config.port) as sock:
-        port = int(sock.getsockname()[1])
-        agent = Agent(config, nvml)
-        agent.agent_url = config.advertise_url or reachable_url(config.host, port)
-        app = create_app(agent)
-        server = _AgentServer(
-            uvicorn.Config(
-                app,
-                log_level="warning",
-                timeout_graceful_shutdown=30,
-                lifespan="on",
-            )
-        )
-        log.info("agent %s listening on %s", config.name, agent.agent_url)
-        agent.on_fatal = lambda: setattr(server, "should_exit", True)
-        agent.start_background()
-        try:
-            server.run(sockets=[sock])
-        finally:
-            log.info("shutting down: stopping every job's workers")
-            agent.shutdown()
-            log.info("agent %s stopped", config.name)
-        return agent.fatal_error
+def _remote_slots(parts: list[RemotePart]) -> set[tuple[str, int]]:
+    return {(p.node, i) for p in parts for i in p.slot_indices}

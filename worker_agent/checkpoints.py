@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker_agent.protocol import WorkloadSpec
-from worker_agent.runtime.layout import Layout
-from worker_agent.runtime.pool import Checkpoint, JobRunner
+from worker_agent.runtime.runner import Checkpoint, JobRunner
+from worker_agent.sharding import Layout
 
 log = logging.getLogger(__name__)
 

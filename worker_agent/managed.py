@@ -8,27 +8,33 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from worker_agent.checkpoints import CheckpointStore
+from worker_agent.logstore import record_ranks
 from worker_agent.protocol import (
     AllocationAck,
     PowerSource,
+    RemotePart,
     RunningJob,
     TelemetrySample,
     WorkloadSpec,
 )
-from worker_agent.runtime.errors import WorkerFailed
-from worker_agent.runtime.pool import GpuSlot, JobRunner, SwitchReport
+from worker_agent.runtime.errors import JobCodeFailed, JobSpecError, WorkerFailed
+from worker_agent.runtime.module_job import ModelInfo
 from worker_agent.runtime.presets import JobSpec
+from worker_agent.runtime.remote import HostClient
+from worker_agent.runtime.runner import GpuSlot, JobRunner, SwitchReport
 from worker_agent.telemetry import energy_kwh, estimated_power_w
 from worker_agent.workloads import total_steps
 
@@ -53,6 +59,14 @@ def short_error(message: str, limit: int = 500) -> str:
     return " ".join(lines)[:limit]
 
 
+@dataclass(frozen=True)
+class ClusterAccess:
+    """How this node's jobs reach other nodes: the address they reach it on (each part's grant
+    comes with the command that names it)."""
+
+    rendezvous_host: str
+
+
 @dataclass
 class PausedState:
     """A paused job's full training state, kept in agent memory."""
@@ -75,8 +89,20 @@ class ManagedJob:
         power_reader: PowerReader | None = None,
         checkpoints: CheckpointStore | None = None,
         checkpoint_interval_s: float = 300.0,
+        log_dir: Path | None = None,
+        cluster: ClusterAccess | None = None,
+        export_root: Path | None = None,
     ) -> None:
         self.job_id = job_id
+        self.export_root = export_root
+        """The agent's export directory: where `init_from: job:<id>` finds `job-<id>/`."""
+        self.cluster = cluster
+        """Set: the job's runner can take workers on other nodes (its store on the node's
+        rendezvous address); None: the job runs inside this node only."""
+        self.remote: list[RemotePart] = []
+        """The job's slots on other nodes (their workers run under those nodes' worker hosts)."""
+        self.log_dir = log_dir
+        """The workers' captured output (worker_agent/logstore.py); None: not captured."""
         self.spec = spec
         self.job_spec = job_spec
         self.node = node
@@ -104,6 +130,12 @@ class ManagedJob:
         self.checkpoint_interval_s = checkpoint_interval_s
         self._checkpoint_at = time.monotonic()
         self.resumed_from = "start"
+        self.exported_to: Path | None = None
+        """Where the finished job's result was exported."""
+        self.job_error = False
+        """Whether the failure (`error`) is the job's own code's: the scheduler fails the job."""
+        self.model_info: ModelInfo | None = None
+        """Module jobs: the model's geometry from the first start (a resume need not rebuild it)."""
         """Where the current run's state came from: start, memory, or checkpoint@step<N>."""
 
     # ----- views ----------------------------------------------------------------------------
@@ -134,13 +166,18 @@ class ManagedJob:
             return []
         return self.runner.worker_pids()
 
+    @property
+    def gpus(self) -> int:
+        """GPUs the job holds, on this node and others."""
+        return len(self.slot_indices) + sum(len(p.slot_indices) for p in self.remote)
+
     def running_job(self) -> RunningJob:
         """The job as the heartbeat and /status report it."""
         step = self.step
         return RunningJob(
             job_id=self.job_id,
             generation=self.generation,
-            gpus=len(self.slot_indices),
+            gpus=self.gpus,
             slot_indices=list(self.slot_indices),
             layout=self.layout(),
             step=step,
@@ -148,6 +185,7 @@ class ManagedJob:
             worker_pids=self.worker_pids(),
             finished=self.state == "finished",
             error=self.error,
+            job_error=self.job_error,
         )
 
     def ack(self, generation: int, report: SwitchReport | None = None) -> AllocationAck:
@@ -155,7 +193,7 @@ class ManagedJob:
         return AllocationAck(
             job_id=self.job_id,
             generation=generation,
-            gpus=len(self.slot_indices),
+            gpus=self.gpus,
             layout=self.layout(),
             step=self.step,
             worker_pids=self.worker_pids(),
@@ -166,29 +204,113 @@ class ManagedJob:
         )
 
     # ----- commands (caller holds self.lock) ------------------------------------------------
-    def start(self, slots: list[int]) -> None:
+    def _new_runner(self) -> JobRunner:
+        if self.cluster is None:
+            return JobRunner(snapshot_policy="auto", backend=self.backend, log_dir=self.log_dir)
+        return JobRunner(
+            snapshot_policy="auto",
+            backend=self.backend,
+            log_dir=self.log_dir,
+            store_host=self.cluster.rendezvous_host,
+            remote_ready=True,
+        )
+
+    def _gpu_slots(
+        self, runner: JobRunner, slots: list[int], remote: list[RemotePart]
+    ) -> tuple[list[GpuSlot], int | None]:
+        """The runtime's slots (this node's first, then each other node's) and the TP bound:
+        the GPUs every node's part is a multiple of (None inside one node)."""
+        if remote and self.cluster is None:
+            raise ValueError(
+                f"job {self.job_id}: slots on other nodes need a rendezvous address on this "
+                "node (--rendezvous-host)"
+            )
+        if remote and not slots:
+            raise ValueError(f"job {self.job_id}: a job across nodes needs slots on its own node")
+        out = [GpuSlot(self.node, i) for i in slots]
+        for part in remote:
+            if part.node == self.node:
+                raise ValueError(f"job {self.job_id}: remote part names this node {part.node}")
+            runner.hosts[part.node] = HostClient(
+                (part.host, part.port), part.grant.encode(), self.job_id, self.node
+            )
+            out += [GpuSlot(part.node, i) for i in part.slot_indices]
+        if not remote:
+            return out, None
+        return out, math.gcd(len(slots), *(len(p.slot_indices) for p in remote))
+
+    def _init_source(self) -> Path:
+        """Where the job's `init_from` weights are on this node (JobCodeFailed if absent)."""
+        name = self.spec.init_from or ""
+        if name.startswith("job:"):
+            if self.export_root is None:
+                raise JobCodeFailed(f"init_from {name}: this agent keeps no exports")
+            path = self.export_root / f"job-{name[4:]}"
+        else:
+            path = Path(name)
+        weights = path if path.is_file() else path / "model.safetensors"
+        if not weights.is_file():
+            raise JobCodeFailed(
+                f"init_from {name}: no {weights} on node {self.node} (a job's export stays on "
+                "the node that ran it, unless --export-dir is shared storage)"
+            )
+        return path
+
+    def start(self, slots: list[int], remote: list[RemotePart] | None = None) -> None:
         """Start from the pause snapshot (state paused), else the newest checkpoint, else fresh."""
-        runner = JobRunner(snapshot_policy="auto", backend=self.backend)
-        gpu_slots = [GpuSlot(self.node, i) for i in slots]
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        remote = list(remote or [])
+        runner = self._new_runner()
+        gpu_slots, per_node = self._gpu_slots(runner, slots, remote)
         stored = None
         if self.paused is None and self.checkpoints is not None:
             stored = self.checkpoints.latest(self.job_id, self.spec)
         try:
             if self.paused is not None:
-                runner.start(self.job_spec, gpu_slots, state=(self.paused.state, self.paused.step))
+                runner.start(
+                    self.job_spec,
+                    gpu_slots,
+                    state=(self.paused.state, self.paused.step),
+                    model_info=self.model_info,
+                    gpus_per_node=per_node,
+                )
                 self.resumed_from = "memory"
             elif stored is not None:
-                runner.start(self.job_spec, gpu_slots, checkpoint=stored.runtime_checkpoint())
+                runner.start(
+                    self.job_spec,
+                    gpu_slots,
+                    checkpoint=stored.runtime_checkpoint(),
+                    model_info=self.model_info,
+                    gpus_per_node=per_node,
+                )
                 self.resumed_from = f"checkpoint@step{stored.step}"
                 self._last_step = stored.step
+            elif self.spec.init_from is not None:
+                source = self._init_source()
+                try:
+                    runner.start(
+                        self.job_spec,
+                        gpu_slots,
+                        gpus_per_node=per_node,
+                        init_from=source,
+                        init_weights_only=True,
+                    )
+                except JobSpecError as exc:
+                    # The weights do not fit the job's model: the job's own fault, for good.
+                    raise JobCodeFailed(f"init_from {self.spec.init_from}: {exc}") from exc
+                self.resumed_from = f"the weights of {self.spec.init_from}"
             else:
-                runner.start(self.job_spec, gpu_slots)
+                runner.start(self.job_spec, gpu_slots, gpus_per_node=per_node)
                 self.resumed_from = "start"
         except BaseException:
             runner.stop()
             raise
         self.runner = runner
+        self.model_info = runner.model_info
         self.slot_indices = list(slots)
+        self.remote = remote
+        self._record_ranks()
         if self.paused is not None:
             self._last_loss = self.paused.loss
         self.paused = None
@@ -219,19 +341,40 @@ class ManagedJob:
             self._run()
         return True
 
-    def resize(self, slots: list[int]) -> tuple[SwitchReport, TelemetrySample | None]:
-        """Hot-switch the running job onto `slots` (kept slots keep their worker process).
+    def resize(
+        self, slots: list[int], remote: list[RemotePart] | None = None
+    ) -> tuple[SwitchReport, TelemetrySample | None]:
+        """Hot-switch the running job onto `slots` here and `remote` on other nodes (kept slots
+        keep their worker process, wherever they are).
 
         Also returns the telemetry sample of the time the resize took: the job trained in its old
         layout while the new workers started, so that sample carries the old GPU count.
         """
         assert self.runner is not None
-        old_gpus, old_layout = len(self.slot_indices), str(self.runner.layout)
-        report = self.runner.resize([GpuSlot(self.node, i) for i in slots])
-        self.slot_indices = [s.index for s in self.runner.slots()]
+        remote = list(remote or [])
+        old_gpus, old_layout = self.gpus, str(self.runner.layout)
+        gpu_slots, per_node = self._gpu_slots(self.runner, slots, remote)
+        # Back inside one node: TP may use the whole node again.
+        report = self.runner.resize(gpu_slots, gpus_per_node=per_node or len(gpu_slots))
+        held = self.runner.slots()
+        self.slot_indices = [s.index for s in held if s.node == self.node]
+        by_node = {p.node: p for p in remote}
+        self.remote = [
+            p.model_copy(update={"slot_indices": [s.index for s in held if s.node == p.node]})
+            for p in by_node.values()
+            if any(s.node == p.node for s in held)
+        ]
+        self._record_ranks()
         # The driver waited while the switch ran: that time was not training.
         self._busy_acc_s -= report.switch_s
         return report, self.cut_sample(gpus=old_gpus, layout=old_layout)
+
+    def _record_ranks(self) -> None:
+        if self.log_dir is not None and self.runner is not None:
+            try:
+                record_ranks(self.log_dir, self.runner.worker_ids())
+            except OSError as exc:  # logs are a convenience; training goes on without them
+                log.warning("job %d: cannot record its ranks' logs: %s", self.job_id, exc)
 
     def pause(self) -> None:
         """Snapshot the full state into memory and release every worker."""
@@ -252,29 +395,42 @@ class ManagedJob:
         runner.stop()
         self.runner = None
         self.slot_indices = []
+        self.remote = []
         self.state = "paused"
 
-    def stop(self, final_state: JobState = "stopped") -> None:
-        """Stop training for good and release every worker."""
+    def stop(self, final_state: JobState = "stopped", export_dir: Path | None = None) -> None:
+        """Stop training for good and release every worker; a module job that finished is first
+        exported to `export_dir` (safetensors + config.json, see runtime/export.py)."""
         if self.runner is not None:
             with contextlib.suppress(WorkerFailed, RuntimeError):
                 self._last_step = self.runner.step_progress().step
             # A failed driver must not keep the workers alive: stop() releases them regardless.
             with contextlib.suppress(WorkerFailed):
                 self._halt()
+            if export_dir is not None and self.runner.model_info is not None:
+                try:
+                    self.runner.export(export_dir)
+                    self.exported_to = export_dir
+                    log.info("job %d: exported to %s", self.job_id, export_dir)
+                except (OSError, RuntimeError, WorkerFailed) as exc:
+                    # The job did train; a full disk must not turn it into a failure.
+                    log.warning("job %d: export to %s failed: %s", self.job_id, export_dir, exc)
             self.runner.stop()
             self.runner = None
         self.paused = None
         self.slot_indices = []
+        self.remote = []
         self.state = final_state
         if self.checkpoints is not None and final_state == "finished":
             # Only a finished job's checkpoints are surely unneeded: a stopped one may be
             # resuming on another node from them right now.
             self.checkpoints.remove(self.job_id)
 
-    def fail(self, message: str) -> None:
-        """Record a worker failure and release whatever is left of the job's workers."""
+    def fail(self, message: str, job_code: bool = False) -> None:
+        """Record a worker failure (`job_code`: of the job's own code, so it cannot run anywhere)
+        and release whatever is left of the job's workers."""
         self.error = short_error(message)
+        self.job_error = job_code
         if self.runner is not None:
             with contextlib.suppress(WorkerFailed):
                 self._halt()
@@ -284,6 +440,7 @@ class ManagedJob:
                 log.warning("job %d: stopping failed workers: %s", self.job_id, exc)
             self.runner = None
         self.slot_indices = []
+        self.remote = []
         self.state = "failed"
 
     def reached_end(self) -> bool:
@@ -317,7 +474,7 @@ class ManagedJob:
         except WorkerFailed:
             return None
         if gpus is None:
-            gpus = len(self.slot_indices)
+            gpus = self.gpus
         source: PowerSource = "estimated"
         if self._power_reader is not None:
             power_w, energy, source = self._power_reader(self, interval_s, busy_fraction)

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
+from energy_model.emissions import J_PER_KWH
 from energy_model.power import V100_POWER
-from worker_agent.protocol import TelemetrySample
+from worker_agent.protocol import NodePowerSample, TelemetrySample
 
 log = logging.getLogger(__name__)
-
-J_PER_KWH = 3.6e6
 
 IDLE_SHARE = V100_POWER.idle_w / V100_POWER.busy_w
 """Share of a training GPU's power it draws while it holds a job but computes nothing.
@@ -56,8 +56,49 @@ class NvmlUnavailable(RuntimeError):
     """NVML cannot be used (no driver, no library, or no such device)."""
 
 
+def visible_devices(env: str | None) -> list[str] | None:
+    """The entries of CUDA_VISIBLE_DEVICES (indices or GPU-/MIG- UUIDs), None when unset.
+
+    CUDA numbers the visible devices 0..n-1 in this order; NVML numbers every device of the
+    machine, so CUDA device i is NVML device `entries[i]` (an index, or the one with that UUID).
+    CUDA stops at the first invalid entry, and so does this.
+    """
+    if env is None:
+        return None
+    out: list[str] = []
+    for raw in env.split(","):
+        entry = raw.strip()
+        if not entry or entry == "-1":
+            break
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        out.append(entry)
+    return out
+
+
+def nvml_indices(entries: list[str] | None, count: int, uuid_index: Mapping[str, int]) -> list[int]:
+    """NVML index of each CUDA device 0..count-1 (`uuid_index`: NVML's UUID -> index)."""
+    if entries is None:
+        return list(range(count))
+    out: list[int] = []
+    for entry in entries[:count]:
+        if entry.isdigit():
+            out.append(int(entry))
+            continue
+        # CUDA accepts a unique UUID prefix.
+        matches = [i for u, i in uuid_index.items() if u.startswith(entry)]
+        if len(matches) != 1:
+            raise NvmlUnavailable(f"CUDA_VISIBLE_DEVICES entry {entry!r} names no single GPU")
+        out.append(matches[0])
+    return out
+
+
 class NvmlMeter:
-    """Reads board energy (or power) of NVIDIA GPUs by index through NVML."""
+    """Reads board energy (or power) of NVIDIA GPUs through NVML, by CUDA device index.
+
+    CUDA device i (what slot i and the workers use) is mapped to its NVML index through
+    CUDA_VISIBLE_DEVICES, so readings belong to the GPUs the jobs run on.
+    """
 
     def __init__(self) -> None:
         try:
@@ -70,16 +111,26 @@ class NvmlMeter:
             raise NvmlUnavailable(f"NVML init failed: {exc}") from exc
         self._nvml: Any = pynvml
         self._lock = threading.Lock()
+        count = int(pynvml.nvmlDeviceGetCount())
+        uuids: dict[str, int] = {}
+        for i in range(count):
+            u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+            uuids[u.decode() if isinstance(u, bytes) else str(u)] = i
+        entries = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self._index = nvml_indices(entries, count if entries is None else len(entries), uuids)
+        """NVML index of each CUDA device."""
+
+    def _handle(self, cuda_index: int) -> Any:
+        return self._nvml.nvmlDeviceGetHandleByIndex(self._index[cuda_index])
 
     def device_count(self) -> int:
-        """Number of GPUs NVML sees."""
-        with self._lock:
-            return int(self._nvml.nvmlDeviceGetCount())
+        """Number of GPUs visible to CUDA that NVML can read."""
+        return len(self._index)
 
     def describe(self, index: int) -> tuple[str, str | None, int]:
-        """(name, uuid, memory_mb) of one GPU."""
+        """(name, uuid, memory_mb) of CUDA device `index`."""
         with self._lock:
-            h = self._nvml.nvmlDeviceGetHandleByIndex(index)
+            h = self._handle(index)
             name = self._nvml.nvmlDeviceGetName(h)
             uuid = self._nvml.nvmlDeviceGetUUID(h)
             mem = self._nvml.nvmlDeviceGetMemoryInfo(h)
@@ -92,7 +143,7 @@ class NvmlMeter:
         total_mj = 0
         with self._lock:
             for i in indices:
-                h = self._nvml.nvmlDeviceGetHandleByIndex(i)
+                h = self._handle(i)
                 try:
                     total_mj += int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h))
                 except self._nvml.NVMLError:
@@ -103,13 +154,19 @@ class NvmlMeter:
         """Instantaneous board power of these GPUs in watts."""
         with self._lock:
             return sum(
-                self._nvml.nvmlDeviceGetPowerUsage(self._nvml.nvmlDeviceGetHandleByIndex(i))
-                / 1000.0
-                for i in indices
+                self._nvml.nvmlDeviceGetPowerUsage(self._handle(i)) / 1000.0 for i in indices
             )
 
 
-class Outbox:
+class _Identified(Protocol):
+    @property
+    def sample_id(self) -> str: ...
+
+
+SampleT = TypeVar("SampleT", bound=_Identified)
+
+
+class SampleOutbox(Generic[SampleT]):
     """Thread-safe, bounded FIFO of samples not yet acknowledged by the scheduler.
 
     Samples leave only when the scheduler acknowledged them (sample_id makes resends idempotent);
@@ -117,12 +174,12 @@ class Outbox:
     """
 
     def __init__(self, max_samples: int = 10_000) -> None:
-        self._items: deque[TelemetrySample] = deque()
+        self._items: deque[SampleT] = deque()
         self._max = max_samples
         self._lock = threading.Lock()
         self.dropped = 0
 
-    def put(self, sample: TelemetrySample) -> None:
+    def put(self, sample: SampleT) -> None:
         """Queue one sample (dropping the oldest when full)."""
         with self._lock:
             if len(self._items) >= self._max:
@@ -133,12 +190,12 @@ class Outbox:
                 )
             self._items.append(sample)
 
-    def peek(self, n: int) -> list[TelemetrySample]:
+    def peek(self, n: int) -> list[SampleT]:
         """The oldest `n` samples, left in the queue."""
         with self._lock:
             return [self._items[i] for i in range(min(n, len(self._items)))]
 
-    def ack(self, samples: Sequence[TelemetrySample]) -> None:
+    def ack(self, samples: Sequence[SampleT]) -> None:
         """Remove these samples (the scheduler stored or already had them)."""
         ids = {s.sample_id for s in samples}
         with self._lock:
@@ -147,3 +204,11 @@ class Outbox:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
+
+
+class Outbox(SampleOutbox[TelemetrySample]):
+    """The outbox of job telemetry samples."""
+
+
+class NodePowerOutbox(SampleOutbox[NodePowerSample]):
+    """The outbox of node power samples (each covers the whole node over one interval)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -94,6 +94,10 @@ class ElectricityMapsProvider(HttpProvider):
             ]
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise self.bad_shape(what, exc) from exc
+
+    async def recent_history(self, since: datetime | None) -> list[ForecastPoint]:
+        """The last 24 h observed (the API serves no other window): our forecaster's history."""
+        return [p for p in await self.history() if since is None or p.at > since]
 
     async def forecast(self) -> list[ForecastPoint]:
         """GET /carbon-intensity/forecast."""

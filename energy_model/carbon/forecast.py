@@ -37,6 +37,9 @@ class ForecastPoint(BaseModel):
     at: AwareDatetime
     intensity_g_per_kwh: float = Field(ge=0)
     kind: PointKind
+    # The forecast's upper quantile (CarbonForecast.upper_quantile) from its measured error;
+    # None where not known (then the value itself stands in).
+    upper_g_per_kwh: float | None = Field(default=None, ge=0)
 
     @field_validator("at")
     @classmethod
@@ -56,6 +59,8 @@ class CarbonForecast(BaseModel):
     points: tuple[ForecastPoint, ...]
     degraded: bool = False
     degraded_reason: str | None = None
+    # Which quantile of the intensity the points' upper_g_per_kwh are (None: no upper values).
+    upper_quantile: float | None = None
 
     @field_validator("points")
     @classmethod
@@ -76,6 +81,20 @@ class CarbonForecast(BaseModel):
     def intensity_g_per_kwh(self) -> tuple[float, ...]:
         """Intensity of every point (g CO2e/kWh)."""
         return tuple(p.intensity_g_per_kwh for p in self.points)
+
+    @property
+    def upper_g_per_kwh(self) -> tuple[float, ...]:
+        """Upper quantile of every point (the point's value where none is known)."""
+        return tuple(
+            p.intensity_g_per_kwh if p.upper_g_per_kwh is None else p.upper_g_per_kwh
+            for p in self.points
+        )
+
+    def upper_series(self) -> IntensitySeries:
+        """The upper quantile as a step series: what a hard budget plans with."""
+        return IntensitySeries(
+            self.times, self.upper_g_per_kwh, source=f"{self.source} (upper q{self.upper_quantile})"
+        )
 
     @property
     def now_g_per_kwh(self) -> float:

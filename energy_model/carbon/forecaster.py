@@ -1,11 +1,15 @@
 """Hourly intensity forecasters for sources without a forecast, and to fill gaps.
 
 - `seasonal_naive`: the value one period earlier (24 h: same hour yesterday; 168 h: last week).
-- `HourlyRidgeForecaster`: one ridge regression per horizon hour h, in log space, on features
-  known at the forecast origin t: the latest two values y[t], y[t-1]; the target hour on the
-  latest day y[t+h-24k] (fewest whole days k with t+h-24k <= t) and the day before; the target
-  hour last week; the mean of the target hour over the last 7 days; the mean of the last 24 h
-  and of the last week. Refitted on the most recent 12 weeks of history.
+- `HourlyRidgeForecaster`: one linear model per horizon hour h, in log space, on features known
+  at the forecast origin t: the latest three values y[t], y[t-1], y[t-2] and the value 24 h ago
+  y[t-24] (today's departure from yesterday); the target hour on the latest day y[t+h-24k]
+  (fewest whole days k with t+h-24k <= t), its neighbouring hours where they are known, and the
+  day before; the target hour last week; the mean of the target hour over the last 7 days; the
+  mean of the last 6 h, of the same 6 h yesterday, of the last 24 h and of the last week.
+  Fitted by ridge, then a few reweighted least-squares steps towards least absolute error
+  (the median in log space: what a percentage error rewards). Refitted on the most recent
+  12 weeks of history.
 """
 
 from __future__ import annotations
@@ -57,21 +61,36 @@ def seasonal_naive(history: np.ndarray, horizon_h: int, period_h: int = 24) -> n
     return out
 
 
+def _trailing_mean(y: np.ndarray, ends: np.ndarray, width: int) -> np.ndarray:
+    """Mean of y[end - width + 1 .. end] for each end (a cumulative sum: no loop over width)."""
+    total = np.concatenate([[0.0], np.cumsum(y)])
+    return (total[ends + 1] - total[ends + 1 - width]) / width
+
+
 def _features(y: np.ndarray, origins: np.ndarray, h: int) -> np.ndarray:
     """Design matrix rows for forecasting y[t+h] from origins t (all lags already in range)."""
     day_back = 24 * math.ceil(h / 24)
     week_back = WEEK_H * math.ceil(h / WEEK_H)
+    target_yesterday = origins + h - day_back  # <= origins by the choice of day_back
+    # The hour after the target yesterday is known only while it is not after the origin.
+    after = target_yesterday + 1 if h - day_back + 1 <= 0 else origins
     return np.column_stack(
         [
             np.ones(len(origins)),
             y[origins],  # latest value
             y[origins - 1],  # the hour before (local trend)
-            y[origins + h - day_back],  # same hour, latest day
-            y[origins + h - day_back - 24],  # same hour, the day before
+            y[origins - 2],
+            y[origins - 24],  # now yesterday: today's departure from yesterday
+            y[target_yesterday],  # same hour, latest day
+            y[target_yesterday - 1],  # its neighbours (a shifted peak)
+            y[after],
+            y[target_yesterday - 24],  # same hour, the day before
             y[origins + h - week_back],  # same hour last week
-            np.mean([y[origins + h - day_back - 24 * k] for k in range(7)], axis=0),
-            np.mean([y[origins - k] for k in range(24)], axis=0),  # level of the last day
-            np.mean([y[origins - k] for k in range(WEEK_H)], axis=0),  # level of the last week
+            np.mean([y[target_yesterday - 24 * k] for k in range(7)], axis=0),
+            _trailing_mean(y, origins, 6),  # level of the last 6 h
+            _trailing_mean(y, origins - 24, 6),  # the same 6 h yesterday
+            _trailing_mean(y, origins, 24),  # level of the last day
+            _trailing_mean(y, origins, WEEK_H),  # level of the last week
         ]
     )
 
@@ -80,15 +99,17 @@ def _first_origin(h: int) -> int:
     # Earliest origin with every lag of horizon h inside the history.
     day_back = 24 * math.ceil(h / 24)
     week_back = WEEK_H * math.ceil(h / WEEK_H)
-    return max(day_back + 24 * 6 - h, week_back - h, WEEK_H)
+    return max(day_back + 24 * 6 - h + 1, week_back - h, WEEK_H)
 
 
 @dataclass
 class HourlyRidgeForecaster:
-    """Per-horizon ridge regression on daily/weekly lags (fitted in log space)."""
+    """Per-horizon linear model on daily/weekly lags in log space (ridge, then towards L1)."""
 
     horizon_h: int = 48
     ridge: float = 1.0
+    # Reweighted least-squares steps from the ridge fit towards least absolute error (0: ridge).
+    l1_steps: int = 3
     coef: np.ndarray | None = None  # (horizon_h, n_features)
 
     def fit(self, history: np.ndarray) -> HourlyRidgeForecaster:
@@ -107,7 +128,14 @@ class HourlyRidgeForecaster:
             target = y[origins + h]
             penalty = self.ridge * np.eye(x.shape[1])
             penalty[0, 0] = 0.0  # the intercept is not shrunk
-            coefs.append(np.linalg.solve(x.T @ x + penalty, x.T @ target))
+            coef = np.linalg.solve(x.T @ x + penalty, x.T @ target)
+            for _ in range(self.l1_steps):
+                # Weights 1/|residual| turn squared error into absolute error (floored so a
+                # perfectly fitted hour cannot take all the weight).
+                weight = 1.0 / np.maximum(np.abs(target - x @ coef), 1e-3)
+                xw = x * weight[:, None]
+                coef = np.linalg.solve(xw.T @ x + penalty, xw.T @ target)
+            coefs.append(coef)
         self.coef = np.asarray(coefs)
         return self
 

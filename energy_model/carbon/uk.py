@@ -76,6 +76,24 @@ class UkCarbonIntensityProvider(HttpProvider):
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise self.bad_shape(what, exc) from exc
 
+    async def recent_history(self, since: datetime | None) -> list[ForecastPoint]:
+        """GET /intensity/{now}/pt24h: the national half hours of the last 24 h with an actual.
+
+        Regional data is forecast only, so a regional source has no observed history.
+        """
+        if self.region_id is not None:
+            return []
+        what = "national intensity pt24h"
+        now = self.clock()
+        body = self.json_body(await self.get(f"/intensity/{self._fmt(now)}/pt24h"), what)
+        try:
+            points = self._period_points(body["data"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise self.bad_shape(what, exc) from exc
+        return [
+            p for p in points if p.kind == PointKind.MEASURED and (since is None or p.at > since)
+        ]
+
     async def current_national(self) -> ForecastPoint:
         """GET /intensity: the current half hour."""
         what = "current national intensity"

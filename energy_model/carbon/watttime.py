@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
@@ -128,6 +128,14 @@ class WattTimeProvider(HttpProvider):
             p.model_copy(update={"kind": PointKind.ESTIMATED}) if p.at in imputed else p
             for p in points
         ]
+
+    async def recent_history(self, since: datetime | None) -> list[ForecastPoint]:
+        """The MOER observed since `since` (at most the last 24 h): our forecaster's history."""
+        now = self.clock()
+        start = now - timedelta(hours=24)
+        if since is not None and since > start:
+            start = since
+        return await self.historical(start, now)
 
     async def signal_index(self) -> float:
         """GET /v3/signal-index: percentile 0 (clean) .. 100 (dirty) against the next 24 h."""

@@ -25,8 +25,9 @@ from scheduler_service.allocation.problem import (
     PlanArrays,
     make_plan,
     plan_arrays,
+    trim_after_finish,
 )
-from scheduler_service.allocation.solver import SlotState, fit_slot, trim_after_finish
+from scheduler_service.allocation.slots import SlotState, fit_slot
 
 
 def _finish(

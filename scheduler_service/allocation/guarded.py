@@ -23,6 +23,7 @@ from scheduler_service.allocation.problem import (
     make_plan,
 )
 from scheduler_service.allocation.solver import solve_with_baselines
+from scheduler_service.allocation.stalls import padded_plan
 
 
 def _misses(plan: AllocationPlan) -> int:
@@ -61,6 +62,9 @@ def greenflow(
             baselines=solved.baselines or None,
         )
         candidates.append(cold.plan)
+    # Each padded for switch stalls where only they make it late (stalls.py).
+    candidates = [padded_plan(problem, p) for p in candidates]
+    first = candidates[0]
     feasible = [p for p in candidates if _feasible(problem, p)] or [first]
     best = min(feasible, key=lambda p: p.objective)
     if best is first:

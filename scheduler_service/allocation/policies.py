@@ -12,6 +12,8 @@ from scheduler_service.allocation.baselines import (
 )
 from scheduler_service.allocation.guarded import greenflow
 from scheduler_service.allocation.problem import AllocationPlan, AllocationProblem
+from scheduler_service.allocation.stalls import with_stalls
+from scheduler_service.allocation.team_budgets import with_team_budgets
 
 
 class Policy(Protocol):
@@ -45,9 +47,10 @@ class UnknownPolicy(ValueError):
 
 
 def get_policy(name: str) -> Policy:
-    """The policy registered under `name`."""
+    """The policy registered under `name`, its plans held to the teams' hard budgets
+    (team_budgets.py) and padded for switch stalls (stalls.py)."""
     try:
-        return POLICIES[name]
+        return with_stalls(with_team_budgets(POLICIES[name]))
     except KeyError:
         raise UnknownPolicy(
             f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}"

@@ -15,7 +15,7 @@ short, by sells there (a short chain forward in time). A move set is applied onl
 the objective and fits capacity and budget in every slot, at most one move per job and pass, so
 the objective never gets worse and the constraints the start plan kept stay kept. Passes and
 the work per pass are counts (from the problem's size and the time limit, see
-`solver.plan_steps`), never a clock.
+`steps.plan_steps`), never a clock.
 """
 
 from __future__ import annotations
@@ -416,9 +416,16 @@ def _one_pass(ctx: _Ctx, opts: np.ndarray) -> bool:
             else:
                 pick = []
                 left = int(net[u] - spare[u])
+                picked_jobs: set[int] = set()
                 for m in (pool[clean].tolist() + pool[~clean].tolist())[:SELL_POOL]:
                     if left <= 0 or gain + float(delta[m]) >= -tol:
                         break
+                    # One row per job: the pool holds several sells of one job (other kinds,
+                    # other slots), and applying two would count both GPU deltas but keep
+                    # only the last row, over-filling a slot.
+                    if int(jobs[m]) in picked_jobs:
+                        continue
+                    picked_jobs.add(int(jobs[m]))
                     pick.append(m)
                     left += int(d_gpus[m, u])
             for m in pick:

@@ -13,9 +13,8 @@ from enum import StrEnum
 
 import numpy as np
 
-GRAMS_PER_KG = 1000.0
-SECONDS_PER_HOUR = 3600.0
-WATTS_PER_KILOWATT = 1000.0
+from energy_model.emissions import GRAMS_PER_KG, SECONDS_PER_HOUR, WATTS_PER_KILOWATT
+
 # Cap on the budget-aware tail (slots per unit of leftover work fraction): see budget_tail_slots.
 BUDGET_TAIL_MAX_SLOTS = 1e5
 
@@ -57,6 +56,8 @@ class JobSpec:
     current_gpus: int = 0
     best_effort: bool = False  # admitted without a deadline guarantee when it cannot be met
     requested_gpus: int = 0  # the count a fixed-size policy runs it at (0 = largest allowed)
+    # It ran before the problem's start: resuming it from 0 GPUs stalls it like a count change.
+    started: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.allowed_gpus)
@@ -105,6 +106,15 @@ class BudgetPeriod:
 
 
 @dataclass(frozen=True)
+class TeamBudget:
+    """One team's hard budget: only its jobs' emissions count against its periods' kg left."""
+
+    team: str
+    job_ids: frozenset[str]
+    periods: tuple[BudgetPeriod, ...]
+
+
+@dataclass(frozen=True)
 class AllocationProblem:
     """Everything one planning tick needs: slots, capacity, carbon, budget and jobs."""
 
@@ -120,6 +130,12 @@ class AllocationProblem:
     carbon_price_s_per_kg: float = 0.0
     # Priority-weighted seconds charged per GPU-count change: a tie-breaker towards stable plans.
     change_cost_s: float = 1.0
+    # Teams' hard budgets (whatever `budget_mode`): every plan is cut to them (`make_plan`).
+    team_budgets: tuple[TeamBudget, ...] = ()
+    # Seconds of progress a job loses when its count changes or it resumes after running (a hot
+    # switch's stall). Plans count it, so a promised finish survives the switches they plan
+    # (issue 23); 0: not modelled. Shorter than a slot.
+    switch_stall_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.start_at.tzinfo is None:
@@ -140,6 +156,10 @@ class AllocationProblem:
             raise InvalidProblem("job_id values must be unique")
         if self.carbon_price_s_per_kg < 0 or self.change_cost_s < 0:
             raise InvalidProblem("carbon_price_s_per_kg and change_cost_s must be >= 0")
+        if not 0 <= self.switch_stall_s < self.slot_s:
+            raise InvalidProblem(
+                f"switch_stall_s must be >= 0 and shorter than a slot, got {self.switch_stall_s}"
+            )
 
     @property
     def num_slots(self) -> int:
@@ -157,12 +177,14 @@ class AllocationProblem:
         hours = self.slot_s / SECONDS_PER_HOUR
         return intensity * hours * self.pue / WATTS_PER_KILOWATT / GRAMS_PER_KG
 
-    def period_slots(self) -> list[tuple[BudgetPeriod, np.ndarray]]:
-        """Per budget period, the share of each slot that lies inside it (0..1)."""
+    def period_slots(
+        self, periods: tuple[BudgetPeriod, ...] | None = None
+    ) -> list[tuple[BudgetPeriod, np.ndarray]]:
+        """Per budget period (the cluster's, or `periods`), the share of each slot inside it (0..1)."""
         starts = np.arange(self.num_slots) * self.slot_s
         ends = starts + self.slot_s
         out = []
-        for period in self.budget_periods:
+        for period in self.budget_periods if periods is None else periods:
             overlap = np.clip(
                 np.minimum(ends, period.end_s) - np.maximum(starts, period.start_s), 0, None
             )
@@ -224,7 +246,9 @@ class AllocationProblem:
         length_s = last.end_s - max(last.start_s, 0.0)
         if last.budget_left_kg <= 0 or length_s <= 0:
             return None
-        return last.budget_left_kg / length_s
+        rate_kg_per_s = last.budget_left_kg / length_s
+        # A budget left of a few denormal kg divides to 0.0: as spent as a budget of 0.
+        return rate_kg_per_s if rate_kg_per_s > 0 else None
 
     def deadline_miss_cost_s(self) -> float:
         """Weight of one missed deadline: above any other objective term, so misses come first."""
@@ -263,6 +287,11 @@ class AllocationPlan:
     # The heuristic's capacity price per slot (objective units per GPU for the slot; 0 where GPUs
     # were spare; empty when not known): the next tick's warm start values finishing with it.
     gpu_price_per_slot: tuple[float, ...] = ()
+    # Which solver step produced the plan ("lp_ceil+polish": the LP's ceil rounding, then the
+    # local search; empty for other policies' plans). See docs/allocation.md, "How solve works".
+    step: str = ""
+    # Jobs whose GPUs a team's hard budget cut: job id -> the team (`cut_to_team_budgets`).
+    team_cut: dict[str, str] = field(default_factory=dict)
 
     @property
     def energy_kwh(self) -> float:
@@ -298,6 +327,8 @@ class PlanEvaluation:
     allowed_ok: bool
     budget_ok: bool
     unfinished_area: dict[str, float]  # slots x remaining fraction: fractional completion
+    # Samples each job's counts get done within the horizon (switch stalls taken off).
+    done_samples: dict[str, float] = field(default_factory=dict)
 
 
 class PlanArrays:
@@ -434,11 +465,20 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     rate = np.where(on, arrays.throughput[rows, k], 0.0)
     power = np.where(on, arrays.power_w[rows, k], 0.0)
     remaining = arrays.remaining
-    work = rate * slot_s
+    current = np.array([j.current_gpus for j in problem.jobs], dtype=np.int64)
+    prev = np.concatenate([current[:, None], counts[:, :-1]], axis=1)
+    # A switch stall (a count change, or a resume after the job ran) starts the slot: the job
+    # runs the rest of it.
+    stall = np.zeros_like(rate)
+    if problem.switch_stall_s > 0:
+        started = np.array([j.started for j in problem.jobs], dtype=bool)
+        ran_before = started[:, None] | (np.cumsum(on, axis=1) - on > 0)
+        stall = np.where(on & (counts != prev) & ran_before, problem.switch_stall_s, 0.0)
+    work = rate * (slot_s - stall)
     done_after = np.cumsum(work, axis=1)
     done_before = done_after - work
     # Finishing slot: the first slot run whose work covers what is left (1e-9 s tolerance).
-    finishes = on & (remaining[:, None] - done_before <= rate * (slot_s + 1e-9))
+    finishes = on & (remaining[:, None] - done_before <= work + rate * 1e-9)
     finished: np.ndarray = np.any(finishes, axis=1)
     t_fin = np.where(finished, finishes.argmax(axis=1), num_slots)
     slots = np.arange(num_slots)[None, :]
@@ -447,6 +487,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     finish_s = np.full(num_jobs, np.nan)
     finish_s[fin_rows] = (
         t_fin[fin_rows] * slot_s
+        + stall[fin_rows, t_fin[fin_rows]]
         + (remaining[fin_rows] - done_before[fin_rows, t_fin[fin_rows]])
         / rate[fin_rows, t_fin[fin_rows]]
     )
@@ -454,8 +495,6 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     done = np.where(finished, remaining, done_after[:, -1])
     # Changes: against the count before (current_gpus for slot 0); a finished job handing its
     # GPUs back is not a hot switch.
-    current = np.array([j.current_gpus for j in problem.jobs], dtype=np.int64)
-    prev = np.concatenate([current[:, None], counts[:, :-1]], axis=1)
     release = (counts == 0) & (slots > t_fin[:, None])
     changes = int(((counts != prev) & ~release).sum())
     allowed_ok = bool(np.all(on | (counts == 0)))
@@ -479,8 +518,11 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         if job.deadline_s is not None:
             ok = finish is not None and finish <= job.deadline_s + 1e-6
             if finish is None and job.deadline_s >= horizon_s:
-                # Past the horizon the job may run at full speed until its deadline.
+                # Past the horizon the job may run at full speed until its deadline (after a
+                # switch to it, unless it runs at it in the last slot).
                 after_s = job.deadline_s - horizon_s
+                if rate[i, -1] != arrays.max_throughput[i] and (job.started or on[i].any()):
+                    after_s -= problem.switch_stall_s
                 ok = done[i] + arrays.max_throughput[i] * after_s >= job.remaining_samples * (
                     1 - 1e-9
                 )
@@ -492,6 +534,8 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         for period, share in problem.period_slots():
             if float((emissions * share).sum()) > period.budget_left_kg * (1 + 1e-6) + 1e-9:
                 budget_ok = False
+    if problem.team_budgets and not within_team_budgets(problem, power):
+        budget_ok = False
     objective = (
         problem.deadline_miss_cost_s() * misses
         + weighted_s
@@ -509,7 +553,70 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         allowed_ok=allowed_ok,
         budget_ok=budget_ok,
         unfinished_area=unfinished,
+        done_samples={job.job_id: float(done[i]) for i, job in enumerate(problem.jobs)},
     )
+
+
+def _team_members(problem: AllocationProblem, team: TeamBudget) -> np.ndarray:
+    return np.array([job.job_id in team.job_ids for job in problem.jobs], dtype=bool)
+
+
+def within_team_budgets(problem: AllocationProblem, power_w: np.ndarray) -> bool:
+    """Whether the jobs x slots power of a plan keeps every team's hard budget."""
+    kg_per_w = problem.slot_emissions_kg_per_w()
+    for team in problem.team_budgets:
+        team_kg = power_w[_team_members(problem, team)].sum(axis=0) * kg_per_w
+        for period, share in problem.period_slots(team.periods):
+            if float((team_kg * share).sum()) > period.budget_left_kg * (1 + 1e-6) + 1e-9:
+                return False
+    return True
+
+
+def cut_to_team_budgets(
+    problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """`gpus` with each team's jobs cut back until the team's hard budgets hold.
+
+    Per team and period over its budget: from the period's last planned slot backwards, the
+    team's lowest-priority job steps down one allowed count (or to 0) at a time, so what runs
+    soonest is kept and the next plan re-decides the rest. Only that team's jobs lose GPUs;
+    the GPUs freed are not handed to other jobs in this plan.
+    """
+    if not problem.team_budgets:
+        return gpus
+    kg_per_w = problem.slot_emissions_kg_per_w()
+    counts = {job_id: list(row) for job_id, row in gpus.items()}
+    jobs = {job.job_id: job for job in problem.jobs}
+
+    def power_w(job: JobSpec, count: int) -> float:
+        return 0.0 if count == 0 else job.power_w[job.allowed_gpus.index(count)]
+
+    for team in problem.team_budgets:
+        members = sorted(
+            (jobs[j] for j in team.job_ids if j in jobs), key=lambda j: (j.priority, j.job_id)
+        )
+        for period, share in problem.period_slots(team.periods):
+            spent_kg = sum(
+                power_w(job, counts[job.job_id][t]) * kg_per_w[t] * share[t]
+                for job in members
+                for t in range(problem.num_slots)
+            )
+            over_kg = spent_kg - period.budget_left_kg
+            for t in reversed(range(problem.num_slots)):
+                if over_kg <= 1e-12:
+                    break
+                if share[t] <= 0:
+                    continue
+                for job in members:
+                    row = counts[job.job_id]
+                    while over_kg > 1e-12 and row[t] > 0:
+                        k = job.allowed_gpus.index(row[t])
+                        lower = job.allowed_gpus[k - 1] if k > 0 else 0
+                        over_kg -= (
+                            (power_w(job, row[t]) - power_w(job, lower)) * kg_per_w[t] * share[t]
+                        )
+                        row[t] = lower
+    return {job_id: tuple(row) for job_id, row in counts.items()}
 
 
 def plan_objective(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> float:
@@ -556,6 +663,10 @@ def _slot_ranges(slots: np.ndarray) -> str:
     return ", ".join(out)
 
 
+# Missed deadlines whose holders are counted together (one matrix product per chunk).
+_REASONS_CHUNK = 256
+
+
 def missed_reasons(
     problem: AllocationProblem, gpus: dict[str, tuple[int, ...]], ev: PlanEvaluation
 ) -> dict[str, str]:
@@ -565,82 +676,72 @@ def missed_reasons(
     Overload is a GPU-hour count: every deadline job due by this deadline at its most
     GPU-efficient count, against the capacity before the deadline. Above it no plan meets them
     all; below it the plan dropped the deadline by choice (whole-slot booking, allowed counts,
-    or the heuristic's pick). Cheap: numpy over jobs x slots per missed deadline.
+    or the heuristic's pick). Vectorised over the missed jobs (numpy, holders by one matrix
+    product per chunk of them): thousands of misses take well under a second.
     """
-    missed = [j for j in problem.jobs if j.deadline_s is not None and not ev.deadline_met[j.job_id]]
+    missed = [
+        i
+        for i, j in enumerate(problem.jobs)
+        if j.deadline_s is not None and not ev.deadline_met[j.job_id]
+    ]
     if not missed:
         return {}
+    out: dict[str, str] = {}
+    rest = []
+    for i in missed:
+        job = problem.jobs[i]
+        assert job.deadline_s is not None
+        if job.deadline_s <= 0 or problem.deadline_impossible(job):
+            out[job.job_id] = missed_reason(problem, job)
+        else:
+            rest.append(i)
+    if not rest:
+        return out
     arrays = plan_arrays(problem)
     options, counts = _option_matrix(problem, gpus, arrays)
     used = counts.sum(axis=0)
-    kg_per_w = problem.slot_emissions_kg_per_w()
-    rows = np.arange(arrays.num_jobs)[:, None]
-    job_kg = np.where(options >= 0, arrays.power_w[rows, np.maximum(options, 0)], 0.0) * kg_per_w
-    # Least kg each job's remaining work needs: its fewest joules per sample, cleanest slot.
-    joules = np.where(arrays.valid, arrays.power_w / np.maximum(arrays.throughput, 1e-12), np.inf)
-    least_kwh = arrays.remaining * joules.min(axis=1) / SECONDS_PER_HOUR / WATTS_PER_KILOWATT
     capacity = np.asarray(problem.capacity_gpus)
     deadline = np.array([np.inf if j.deadline_s is None else j.deadline_s for j in problem.jobs])
-    # Least GPU-seconds each job's remaining work needs (at its most GPU-efficient count).
+    slot_start = np.arange(problem.num_slots) * problem.slot_s
+    idx = np.asarray(rest)
+    before = np.clip((deadline[idx, None] - slot_start[None, :]) / problem.slot_s, 0.0, 1.0)
+    window = before > 0
+    # Slots before the deadline without room for the job's next count up.
+    own = counts[idx]
+    allowed = arrays.gpus[idx]  # every allowed count; padding is 0
+    above = (allowed[:, :, None] > own[:, None, :]) & (allowed[:, :, None] > 0)
+    step = np.where(above, allowed[:, :, None], np.iinfo(np.int64).max).min(axis=1)
+    full = window & (capacity[None, :] - used[None, :] + own < step)
+    # Least GPU-seconds each job's remaining work needs (at its most GPU-efficient count); the
+    # GPU-hours due by each deadline by a cumulative sum over deadlines in order.
     gpu_s_per_sample = np.where(
         arrays.valid, arrays.gpus / np.maximum(arrays.throughput, 1e-12), np.inf
     )
     least_gpu_s = arrays.remaining * gpu_s_per_sample.min(axis=1)
-    slot_start = np.arange(problem.num_slots) * problem.slot_s
-    index = {j.job_id: i for i, j in enumerate(problem.jobs)}
-    periods = problem.period_slots() if problem.budget_mode is BudgetMode.HARD else []
-    out = {}
-    for job in missed:
-        assert job.deadline_s is not None
-        if job.deadline_s <= 0 or problem.deadline_impossible(job):
-            out[job.job_id] = missed_reason(problem, job)
-            continue
-        i = index[job.job_id]
-        before = np.clip((job.deadline_s - slot_start) / problem.slot_s, 0.0, 1.0)
-        window = before > 0
-        # Slots before the deadline without room for the job's next count up.
-        own = counts[i]
-        step = np.array([next((g for g in job.allowed_gpus if g > c), np.inf) for c in own])
-        full = np.flatnonzero(window & (capacity - used + own < step))
+    with_deadline = np.flatnonzero((deadline > 0) & np.isfinite(deadline))
+    order = with_deadline[np.argsort(deadline[with_deadline], kind="stable")]
+    due_count = np.searchsorted(deadline[order], deadline[idx], side="right")
+    due_gpu_s = np.concatenate([[0.0], np.cumsum(least_gpu_s[order])])[due_count]
+    need_h = due_gpu_s / SECONDS_PER_HOUR
+    have_h = (before @ capacity) * problem.slot_s / SECONDS_PER_HOUR
+    budget = _budget_reasons(problem, arrays, options, ev, idx, window)
+    holders = _holders(problem, counts, full, idx, deadline)
+    for r, i in enumerate(rest):
         parts = []
-        if len(full):
-            held = counts[:, full].sum(axis=1)
-            held[i] = 0
-            top = [k for k in np.argsort(-held, kind="stable")[:3] if held[k] > 0]
-            names = []
-            for k in top:
-                name = problem.jobs[k].job_id
-                names.append(
-                    f"{name} (earlier deadline)" if deadline[k] <= job.deadline_s else name
-                )
-            more = int((held > 0).sum()) - len(top)
-            holders = ", ".join(names) + (f" and {more} more" if more > 0 else "")
-            parts.append(f"capacity in slots {_slot_ranges(full)} is held by {holders}")
-        # The budget binds when what the other jobs leave in the periods before the deadline
-        # cannot pay for this job's work even at its most efficient count in the cleanest slot.
-        budget_binds = False
-        if periods:
-            others_kg = ev.emissions_kg_per_slot - job_kg[i]
-            room_kg = sum(
-                max(0.0, period.budget_left_kg - float((others_kg * share).sum()))
-                for period, share in periods
-                if (share * window).any()
-            )
-            cleanest = float(np.min(np.where(window, problem.intensity_g_per_kwh, np.inf)))
-            least_kg = float(least_kwh[i]) * problem.pue * cleanest / GRAMS_PER_KG
-            budget_binds = least_kg > room_kg
-            if budget_binds:
-                parts.append(
-                    f"the carbon budget left before it ({room_kg:.3g} kg after the other jobs) "
-                    f"cannot pay for its work ({least_kg:.3g} kg at best)"
-                )
-        due = (deadline <= job.deadline_s) & (deadline > 0)
-        need_h = float(least_gpu_s[due].sum()) / SECONDS_PER_HOUR
-        have_h = float((capacity * before).sum()) * problem.slot_s / SECONDS_PER_HOUR
-        if need_h > have_h:
+        if holders[r]:
             parts.append(
-                f"overload: the {int(due.sum())} deadlines due by then need {need_h:.1f} GPU-h, "
-                f"the cluster has {have_h:.1f} GPU-h before it"
+                f"capacity in slots {_slot_ranges(np.flatnonzero(full[r]))} is held by {holders[r]}"
+            )
+        budget_binds, room_kg, least_kg = budget[r]
+        if budget_binds:
+            parts.append(
+                f"the carbon budget left before it ({room_kg:.3g} kg after the other jobs) "
+                f"cannot pay for its work ({least_kg:.3g} kg at best)"
+            )
+        if need_h[r] > have_h[r]:
+            parts.append(
+                f"overload: the {int(due_count[r])} deadlines due by then need "
+                f"{need_h[r]:.1f} GPU-h, the cluster has {have_h[r]:.1f} GPU-h before it"
             )
         else:
             why = (
@@ -648,9 +749,95 @@ def missed_reasons(
                 if budget_binds
                 else "dropped by the plan's choice (whole-slot booking, allowed counts, heuristic)"
             )
-            parts.append(f"no GPU-hour overload ({need_h:.1f} of {have_h:.1f} GPU-h due): {why}")
-        out[job.job_id] = "; ".join(parts)
+            parts.append(
+                f"no GPU-hour overload ({need_h[r]:.1f} of {have_h[r]:.1f} GPU-h due): {why}"
+            )
+        out[problem.jobs[i].job_id] = "; ".join(parts)
+    # In the problem's job order, as the plan lists its jobs.
+    return {problem.jobs[i].job_id: out[problem.jobs[i].job_id] for i in missed}
+
+
+def _holders(
+    problem: AllocationProblem,
+    counts: np.ndarray,
+    full: np.ndarray,
+    idx: np.ndarray,
+    deadline: np.ndarray,
+) -> list[str]:
+    """Per missed job (rows of `full`), the jobs holding most GPUs in its full slots ("" none)."""
+    out = [""] * len(idx)
+    rows = np.flatnonzero(full.any(axis=1))
+    weights = counts.astype(np.float64)
+    for begin in range(0, len(rows), _REASONS_CHUNK):
+        chunk = rows[begin : begin + _REASONS_CHUNK]
+        # GPU-slots each job holds in each missed job's full slots: jobs x chunk.
+        held = weights @ full[chunk].T.astype(np.float64)
+        held[idx[chunk], np.arange(len(chunk))] = 0.0
+        holding = (held > 0).sum(axis=0)
+        for c, r in enumerate(chunk):
+            column = held[:, c]
+            top = _top_three(column)
+            names = []
+            for k in top:
+                name = problem.jobs[k].job_id
+                names.append(
+                    f"{name} (earlier deadline)" if deadline[k] <= deadline[idx[r]] else name
+                )
+            more = int(holding[c]) - len(top)
+            out[r] = ", ".join(names) + (f" and {more} more" if more > 0 else "")
     return out
+
+
+def _top_three(column: np.ndarray) -> list[int]:
+    """Indices of the three largest positive values, largest first, ties by index."""
+    positive = np.flatnonzero(column > 0)
+    if len(positive) > 3:
+        third = np.partition(column[positive], -3)[-3]
+        positive = positive[column[positive] >= third]
+    ranked = positive[np.lexsort((positive, -column[positive]))]
+    return [int(k) for k in ranked[:3]]
+
+
+def _budget_reasons(
+    problem: AllocationProblem,
+    arrays: PlanArrays,
+    options: np.ndarray,
+    ev: PlanEvaluation,
+    idx: np.ndarray,
+    window: np.ndarray,
+) -> list[tuple[bool, float, float]]:
+    """Per missed job: (the budget binds, kg the other jobs leave before it, least kg it needs).
+
+    The budget binds when what the other jobs leave in the periods before the deadline cannot
+    pay for this job's work even at its most efficient count in the cleanest slot.
+    """
+    periods = problem.period_slots() if problem.budget_mode is BudgetMode.HARD else []
+    if not periods:
+        return [(False, 0.0, 0.0)] * len(idx)
+    kg_per_w = problem.slot_emissions_kg_per_w()
+    rows = idx[:, None]
+    job_kg = (
+        np.where(options[idx] >= 0, arrays.power_w[rows, np.maximum(options[idx], 0)], 0.0)
+        * kg_per_w
+    )
+    shares = np.array([share for _, share in periods])  # periods x slots
+    left = np.array([period.budget_left_kg for period, _ in periods])
+    emissions = np.asarray(ev.emissions_kg_per_slot)
+    others = (emissions @ shares.T)[None, :] - job_kg @ shares.T  # missed x periods
+    touched = (window.astype(np.float64) @ shares.T) > 0
+    room_kg = np.where(touched, np.maximum(0.0, left[None, :] - others), 0.0).sum(axis=1)
+    # Least kg each job's remaining work needs: its fewest joules per sample, cleanest slot.
+    joules = np.where(arrays.valid, arrays.power_w / np.maximum(arrays.throughput, 1e-12), np.inf)
+    least_kwh = (
+        arrays.remaining[idx] * joules[idx].min(axis=1) / SECONDS_PER_HOUR / WATTS_PER_KILOWATT
+    )
+    intensity = np.asarray(problem.intensity_g_per_kwh)
+    cleanest = np.where(window, intensity[None, :], np.inf).min(axis=1)
+    least_kg = least_kwh * problem.pue * cleanest / GRAMS_PER_KG
+    return [
+        (bool(need > room), float(room), float(need))
+        for need, room in zip(least_kg, room_kg, strict=True)
+    ]
 
 
 def make_plan(
@@ -664,11 +851,26 @@ def make_plan(
     notes: tuple[str, ...] = (),
     evaluation: PlanEvaluation | None = None,
     gpu_price_per_slot: tuple[float, ...] = (),
+    step: str = "",
+    team_cut: dict[str, str] | None = None,
 ) -> AllocationPlan:
     """Wrap a GPU matrix into an AllocationPlan with all projected figures filled in.
 
-    `evaluation`: `evaluate_gpus(problem, gpus)` when the caller already has it.
+    `evaluation`: `evaluate_gpus(problem, gpus)` when the caller already has it. Teams' hard
+    budgets cut the matrix first (`cut_to_team_budgets`), whichever policy made it.
     """
+    team_cut = dict(team_cut or {})
+    if problem.team_budgets:
+        cut = cut_to_team_budgets(problem, gpus)
+        if cut != {k: tuple(v) for k, v in gpus.items()}:
+            team_cut.update(
+                (job_id, team.team)
+                for team in problem.team_budgets
+                for job_id in team.job_ids
+                if job_id in cut and cut[job_id] != tuple(gpus[job_id])
+            )
+            gpus, evaluation = cut, None
+            notes = (*notes, "cut to the teams' hard budgets")
     ev = evaluate_gpus(problem, gpus) if evaluation is None else evaluation
     gap = None if bound is None else relative_gap(problem, ev.objective, bound)
     reasons = missed_reasons(problem, gpus, ev)
@@ -690,4 +892,51 @@ def make_plan(
         policy=policy,
         notes=notes,
         gpu_price_per_slot=gpu_price_per_slot,
+        step=step,
+        team_cut=team_cut,
     )
+
+
+def finish_slot(finish_s: float, slot_s: float) -> int:
+    """Index of the slot a job finishing at `finish_s` is busy in last (a finish on a slot
+    boundary belongs to the slot before it)."""
+    last = int(finish_s // slot_s)
+    if finish_s > 0 and finish_s % slot_s == 0:
+        last -= 1
+    return last
+
+
+def runs_after_finish(
+    problem: AllocationProblem, gpus: dict[str, tuple[int, ...]], ev: PlanEvaluation
+) -> bool:
+    """Whether any job keeps GPUs in a slot after the one it finishes in."""
+    for job in problem.jobs:
+        finish = ev.completion_s[job.job_id]
+        if finish is not None and any(gpus[job.job_id][finish_slot(finish, problem.slot_s) + 1 :]):
+            return True
+    return False
+
+
+def trim_after_finish(
+    problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """Release GPUs in slots after each job's projected finish (never worse on the objective)."""
+    ev = evaluate_gpus(problem, gpus)
+    out = {}
+    for job in problem.jobs:
+        counts = list(gpus[job.job_id])
+        finish = ev.completion_s[job.job_id]
+        if finish is not None:
+            for t in range(finish_slot(finish, problem.slot_s) + 1, len(counts)):
+                counts[t] = 0
+        out[job.job_id] = tuple(counts)
+    return out
+
+
+def gpus_from_options(
+    problem: AllocationProblem, arrays: PlanArrays, options: np.ndarray
+) -> dict[str, tuple[int, ...]]:
+    """Option indices per job and slot (-1 = off) to GPU counts per job."""
+    rows = np.arange(arrays.num_jobs)[:, None]
+    counts = np.where(options >= 0, arrays.gpus[rows, np.maximum(options, 0)], 0)
+    return dict(zip((j.job_id for j in problem.jobs), map(tuple, counts.tolist()), strict=True))

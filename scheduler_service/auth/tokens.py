@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from dataclasses import dataclass
 from enum import StrEnum
 
 TOKEN_PREFIX = "gf"
+# ASCII only, bounded: anything else is rejected before it reaches the database or a hash.
+_TOKEN_RE = re.compile(r"gf_([A-Za-z0-9]{1,32})_([A-Za-z0-9_\-]{1,256})")
+TOKEN_ID_RE = re.compile(r"[A-Za-z0-9]{1,32}")
+# Token names are identities (job owners, node names): printable ASCII words.
+NAME_RE = re.compile(r"[A-Za-z0-9_.@-]{1,100}")
 
 
 class Role(StrEnum):
@@ -42,10 +48,15 @@ def mint_token() -> NewToken:
 
 def split_token(plaintext: str) -> tuple[str, str] | None:
     """(token_id, secret) of a well-formed token, else None."""
-    parts = plaintext.split("_", 2)
-    if len(parts) != 3 or parts[0] != TOKEN_PREFIX or not parts[1] or not parts[2]:
+    match = _TOKEN_RE.fullmatch(plaintext)
+    if match is None:
         return None
-    return parts[1], parts[2]
+    return match.group(1), match.group(2)
+
+
+def valid_name(name: str) -> bool:
+    """Whether `name` may name a token (and so a job owner or a node)."""
+    return NAME_RE.fullmatch(name) is not None
 
 
 def secret_matches(secret: str, stored_sha256: str) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from scheduler_service.allocation.problem import AllocationPlan
-from scheduler_service.ledger import PeriodStatus
+from scheduler_service.budget.periods import PeriodStatus
 
 # Spending above the plan by less than this share of the plan is noise, not a reason to re-plan.
 SPEND_TOLERANCE = 0.1

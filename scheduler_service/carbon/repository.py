@@ -48,6 +48,20 @@ class CarbonRepository:
             .limit(1)
         )
 
+    def observed_since(self, region: str, since: datetime) -> list[CarbonIntensitySample]:
+        """Measured (not estimated or assumed) samples of a region since `since`, by time."""
+        return list(
+            self.session.scalars(
+                select(CarbonIntensitySample)
+                .where(
+                    CarbonIntensitySample.region == region,
+                    CarbonIntensitySample.kind == "measured",
+                    CarbonIntensitySample.at >= since,
+                )
+                .order_by(CarbonIntensitySample.at)
+            )
+        )
+
     def samples_between(self, start_at: datetime, end_at: datetime) -> list[CarbonIntensitySample]:
         """Intensity samples in [start_at, end_at], plus the last one before start_at, by time."""
         before = self.session.scalar(

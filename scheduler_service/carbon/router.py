@@ -22,6 +22,8 @@ class IntensityPoint(BaseModel):
     at: datetime
     intensity_g_per_kwh: float
     kind: str
+    # The forecast's upper quantile (what a hard budget plans with); None for older records.
+    upper_g_per_kwh: float | None = None
 
 
 class CarbonOut(BaseModel):

@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
+
 from sqlalchemy.orm import Session
 
-from energy_model.carbon.factory import CarbonConfig as ProviderConfig
-from energy_model.carbon.factory import build_source
+from energy_model.carbon.factory import CarbonConfig, build_source
 from energy_model.carbon.forecast import CarbonForecast, PointKind
-from energy_model.carbon.resilient import ResilientCarbonSource
+from energy_model.carbon.resilient import HISTORY_POINTS, ResilientCarbonSource
 from energy_model.carbon.trace import TraceProvider
 from scheduler_service.carbon.repository import CarbonRepository
 from scheduler_service.db.models import CarbonForecastRecord, CarbonIntensitySample
-from scheduler_service.settings import CarbonConfig
 
 
 def make_carbon_source(config: CarbonConfig) -> ResilientCarbonSource:
     """The configured provider wrapped in energy_model's failure policy (cache, conservative value)."""
-    return build_source(
-        ProviderConfig(
-            provider=config.provider,
-            region=config.region,
-            api_key_env=config.api_key_env,
-            base_url=config.base_url,
-            trace_path=config.trace_path,
-            clock_speedup=config.clock_speedup,
-            forecast_mode=config.forecast_mode,
-            conservative_intensity_g_per_kwh=config.conservative_intensity_g_per_kwh,
-            max_forecast_age_s=config.max_forecast_age_s,
-            seed=config.seed,
-        )
-    )
+    return build_source(config)
 
 
 def record_forecast(session: Session, forecast: CarbonForecast) -> None:
@@ -48,6 +35,7 @@ def record_forecast(session: Session, forecast: CarbonForecast) -> None:
                     "at": p.at.isoformat(),
                     "intensity_g_per_kwh": p.intensity_g_per_kwh,
                     "kind": p.kind.value,
+                    "upper_g_per_kwh": p.upper_g_per_kwh,
                 }
                 for p in forecast.points
             ],
@@ -71,6 +59,15 @@ def record_intensity_now(session: Session, forecast: CarbonForecast) -> None:
             fetched_at=forecast.fetched_at,
         )
     )
+
+
+def seed_history(session: Session, source: ResilientCarbonSource, now: datetime) -> int:
+    """Give the source the intensity observed in the last weeks (kept across restarts); how many."""
+    samples = CarbonRepository(session).observed_since(
+        source.region, now - timedelta(hours=HISTORY_POINTS)
+    )
+    source.seed_history([(s.at, s.intensity_g_per_kwh) for s in samples])
+    return len(samples)
 
 
 def anchor_replay(session: Session, source: ResilientCarbonSource) -> bool:

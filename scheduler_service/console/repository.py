@@ -7,8 +7,23 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Integer, Select, and_, cast, extract, func, not_, or_, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import (
+    ColumnElement,
+    Integer,
+    Select,
+    Text,
+    and_,
+    case,
+    cast,
+    extract,
+    func,
+    literal,
+    not_,
+    or_,
+    select,
+    union,
+)
+from sqlalchemy.orm import Session, defer, selectinload
 
 from scheduler_service.db.models import (
     Allocation,
@@ -20,8 +35,10 @@ from scheduler_service.db.models import (
     LedgerEntry,
     Node,
     Plan,
+    PlanJob,
     TelemetrySample,
 )
+from scheduler_service.dispatch.plans import PLAN_BULK_COLUMNS
 
 # Columns the job list may be sorted by (query value -> column).
 SORTABLE_COLUMNS = {
@@ -146,12 +163,113 @@ class ConsoleRepository:
             stmt = stmt.where(Job.owner == owner)
         return {state: count for state, count in self.session.execute(stmt)}
 
-    def jobs_in_states(self, states: Sequence[str], *, owner: str | None) -> list[Job]:
-        """Jobs in these states (of `owner` when given), oldest first."""
-        stmt = select(Job).where(Job.state.in_(states)).order_by(Job.id)
+    def deadline_jobs(
+        self,
+        states: Sequence[str],
+        *,
+        owner: str | None,
+        plan_id: int | None,
+        late_before: datetime | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[tuple[Job, str | None]], int]:
+        """Jobs with a deadline in these states, each with the plan's reason for missing it, by id.
+
+        With `late_before`, only the jobs whose deadline is before it or that the plan misses
+        (two indexed selections, not a scan of every job). Returns at most `limit` of them, and
+        how many match.
+        """
+        where: list[ColumnElement[bool]] = [
+            Job.state.in_(list(states)),
+            Job.deadline_at.is_not(None),
+        ]
         if owner is not None:
-            stmt = stmt.where(Job.owner == owner)
-        return list(self.session.scalars(stmt))
+            where.append(Job.owner == owner)
+        in_plan = and_(PlanJob.plan_id == plan_id, PlanJob.job_id == Job.id)
+        if plan_id is not None:
+            stmt = select(Job, PlanJob.deadline_miss).outerjoin(PlanJob, in_plan)
+        else:
+            stmt = select(Job, literal(None, Text))
+        stmt = stmt.where(*where).order_by(Job.id)
+        total: int | None = None
+        if late_before is not None:
+            late: Any = select(Job.id).where(*where, Job.deadline_at < late_before)
+            if plan_id is not None:
+                missed = (
+                    select(Job.id)
+                    .join(PlanJob, in_plan)
+                    .where(*where, PlanJob.deadline_miss.is_not(None))
+                )
+                late = union(late, missed)
+            chosen = late.subquery()
+            total = self.session.scalar(select(func.count()).select_from(chosen)) or 0
+            stmt = stmt.where(Job.id.in_(select(chosen.c.id)))
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        rows = [(job, reason) for job, reason in self.session.execute(stmt)]
+        return rows, total if total is not None else len(rows)
+
+    def running_at_risk(
+        self,
+        states: Sequence[str],
+        *,
+        owner: str | None,
+        plan_id: int | None,
+        now: datetime,
+        rate_window: int,
+        limit: int,
+    ) -> tuple[list[tuple[Job, str | None, float | None]], int]:
+        """Running jobs with a deadline that the plan misses or that, at the mean of their newest
+        `rate_window` positive samples/s, finish after it: at most `limit` by id, with the plan's
+        reason and that rate, and how many there are (the projection runs in the database)."""
+        where: list[ColumnElement[bool]] = [
+            Job.state.in_(list(states)),
+            Job.deadline_at.is_not(None),
+        ]
+        if owner is not None:
+            where.append(Job.owner == owner)
+        newest_first = func.row_number().over(
+            partition_by=TelemetrySample.job_id,
+            order_by=(TelemetrySample.at.desc(), TelemetrySample.id.desc()),
+        )
+        ranked = (
+            select(TelemetrySample.job_id, TelemetrySample.samples_per_s, newest_first.label("n"))
+            .join(Job, Job.id == TelemetrySample.job_id)
+            .where(*where)
+            .subquery()
+        )
+        positive = case((ranked.c.samples_per_s > 0, ranked.c.samples_per_s))
+        rates = (
+            select(ranked.c.job_id, func.avg(positive).label("rate"))
+            .where(ranked.c.n <= rate_window)
+            .group_by(ranked.c.job_id)
+            .subquery()
+        )
+        total = func.coalesce(Job.total_samples, Job.total_steps * Job.global_batch_size)
+        remaining = case((total > Job.samples_done, total - Job.samples_done), else_=0)
+        left_s = self._epoch_s(Job.deadline_at) - now.timestamp()
+        # completion = now + remaining / rate lands after the deadline
+        late = and_(rates.c.rate > 0, total.is_not(None), remaining > rates.c.rate * left_s)
+        in_plan = and_(PlanJob.plan_id == plan_id, PlanJob.job_id == Job.id)
+        miss: Any = PlanJob.deadline_miss if plan_id is not None else literal(None, Text)
+        stmt: Any = select(Job, miss, rates.c.rate).outerjoin(rates, rates.c.job_id == Job.id)
+        count: Any = select(func.count(Job.id)).outerjoin(rates, rates.c.job_id == Job.id)
+        if plan_id is not None:
+            stmt = stmt.outerjoin(PlanJob, in_plan)
+            count = count.outerjoin(PlanJob, in_plan)
+        risky = or_(late, miss.is_not(None)) if plan_id is not None else late
+        total_count = self.session.scalar(count.where(*where, risky)) or 0
+        stmt = stmt.where(*where, risky).order_by(Job.id).limit(limit)
+        rows = [
+            (job, reason, float(rate) if rate is not None else None)
+            for job, reason, rate in self.session.execute(stmt)
+        ]
+        return rows, total_count
+
+    def _epoch_s(self, column: Any) -> Any:
+        """Seconds since 1970 of a timestamp column."""
+        if self.session.get_bind().dialect.name == "sqlite":
+            return cast(func.strftime("%s", column), Integer)  # naive UTC text
+        return extract("epoch", column)
 
     def jobs_by_ids(self, job_ids: Sequence[int]) -> dict[int, Job]:
         """The jobs with these ids, by id."""
@@ -416,5 +534,24 @@ class ConsoleRepository:
     # Plan -----------------------------------------------------------------------------------
 
     def latest_plan(self) -> Plan | None:
-        """The newest plan the control loop stored (the current plan)."""
-        return self.session.scalar(select(Plan).order_by(Plan.id.desc()).limit(1))
+        """The newest plan (the current plan) without its bulk JSON: pages read `plan_jobs`."""
+        stmt = (
+            select(Plan)
+            .options(*(defer(column, raiseload=True) for column in PLAN_BULK_COLUMNS))
+            .order_by(Plan.id.desc())
+            .limit(1)
+        )
+        return self.session.scalar(stmt)
+
+    def plan_misses(self, plan_id: int, *, owner: str | None) -> dict[int, str]:
+        """Why the plan misses deadlines, by job (of `owner`'s jobs when given)."""
+        stmt = select(PlanJob.job_id, PlanJob.deadline_miss).where(
+            PlanJob.plan_id == plan_id, PlanJob.deadline_miss.is_not(None)
+        )
+        if owner is not None:
+            stmt = stmt.join(Job, Job.id == PlanJob.job_id).where(Job.owner == owner)
+        return {job_id: reason or "" for job_id, reason in self.session.execute(stmt)}
+
+    def plan_job(self, plan_id: int, job_id: int) -> PlanJob | None:
+        """One job's part of a plan."""
+        return self.session.get(PlanJob, (plan_id, job_id))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, FastAPI, Form, Query, Request, status
@@ -14,6 +14,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from scheduler_service.auth.throttle import retry_after
+from scheduler_service.budget.report import GroupBy, build_report, report_csv
 from scheduler_service.console import service as pages
 from scheduler_service.console.formatting import FILTERS
 from scheduler_service.console.repository import SORTABLE_COLUMNS, ConsoleRepository
@@ -23,14 +25,19 @@ from scheduler_service.console.session import (
     CurrentUser,
     NeedsSignIn,
     check_form_token,
+    check_same_origin,
     clear_session_cookie,
+    end_session,
     set_session_cookie,
     sign_in_principal,
+    start_session,
 )
 from scheduler_service.db.base import utcnow
-from scheduler_service.deps import ConfigDep, SessionDep
+from scheduler_service.deps import ConfigDep, SessionDep, client_address
 from scheduler_service.exceptions import NotAllowed
+from scheduler_service.jobs import logs as job_logs
 from scheduler_service.jobs import service as jobs_service
+from scheduler_service.jobs.schemas import MAX_GPUS_PER_JOB
 from scheduler_service.jobs.service import JobNotFound
 from scheduler_service.jobs.states import TERMINAL_STATES, InvalidTransition, JobState
 
@@ -55,6 +62,7 @@ DONE_MESSAGES = {
     "hold": "Job held: the planner keeps it off the GPUs until it is released.",
     "release": "Job released: the planner may schedule it again.",
     "priority": "Priority changed.",
+    "gpus": "GPU range changed: the next plan keeps the job within it.",
 }
 
 router = APIRouter(prefix="/console", include_in_schema=False)
@@ -142,9 +150,27 @@ def login(
     token: Annotated[str, Form(max_length=500)],
     next: Annotated[str, Form(max_length=500)] = "/console",
 ) -> Response:
-    """Check the token and set the session cookie."""
+    """Check the token, start a console session and set its cookie."""
+    check_same_origin(request)
+    throttle = request.app.state.auth_throttle
+    address = client_address(request)
+    wait_s = throttle.wait_s(address)
+    if wait_s > 0:
+        refusal = render(
+            request,
+            "login.html",
+            {
+                "next": _safe_next(next),
+                "error": f"Too many failed sign-ins from your address: wait {retry_after(wait_s)} s.",
+            },
+            user=None,
+            status_code=status.HTTP_429_TOO_MANY_REQUESTS,
+        )
+        refusal.headers["Retry-After"] = retry_after(wait_s)
+        return refusal
     principal = sign_in_principal(session, token)
     if principal is None:
+        throttle.failed(address)
         return render(
             request,
             "login.html",
@@ -155,17 +181,22 @@ def login(
             user=None,
             status_code=status.HTTP_401_UNAUTHORIZED,
         )
+    throttle.succeeded(address)
     response = RedirectResponse(_safe_next(next), status_code=status.HTTP_303_SEE_OTHER)
-    set_session_cookie(response, request, token.strip())
+    set_session_cookie(response, request, start_session(session, principal))
     return response
 
 
 @router.post("/logout")
 def logout(
-    request: Request, user: CurrentUser, form_token: Annotated[str, Form(max_length=200)]
+    request: Request,
+    session: SessionDep,
+    user: CurrentUser,
+    form_token: Annotated[str, Form(max_length=200)],
 ) -> RedirectResponse:
-    """Sign out: clear the cookie."""
-    check_form_token(user, form_token)
+    """Sign out: end the session and clear the cookie."""
+    check_form_token(request, user, form_token)
+    end_session(session, user)
     response = RedirectResponse("/console/login", status_code=status.HTTP_303_SEE_OTHER)
     clear_session_cookie(response, request)
     return response
@@ -190,6 +221,29 @@ def carbon(
     """Intensity history and forecast with GPUs in use, and the budget periods."""
     view = pages.carbon_page(session, user.principal, config, utcnow())
     return render(request, "carbon.html", {"view": view, "page": "carbon"}, user=user)
+
+
+@router.get("/report")
+def report_download(
+    session: SessionDep,
+    user: CurrentUser,
+    config: ConfigDep,
+    period: Annotated[str, Query(max_length=10)],
+    by: Annotated[GroupBy, Query()] = "job",
+    format: Annotated[Literal["csv", "json"], Query()] = "csv",
+) -> Response:
+    """The period's carbon report as a download (the same rows as `greenflow report`)."""
+    principal = user.principal
+    result = build_report(
+        session, config, period, by, owner=None if principal.is_operator else principal.name
+    )
+    name = f"greenflow-report-{period}-by-{by}.{format}"
+    body = report_csv(result) if format == "csv" else json.dumps(result.as_json(), indent=2)
+    return Response(
+        body,
+        media_type="text/csv" if format == "csv" else "application/json",
+        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+    )
 
 
 def _blank(value: str | None) -> str | None:
@@ -299,6 +353,37 @@ def job_detail(
     return render(request, "job.html", context, user=user)
 
 
+# Rank 0's newest output shown on a job's page, and the most steps its scalars chart plots.
+OUTPUT_TAIL_BYTES = 16 << 10
+CURVE_POINTS = 1000
+
+
+@router.get("/jobs/{job_id}/output")
+def job_output(
+    request: Request, session: SessionDep, user: CurrentUser, job_id: JobId
+) -> HTMLResponse:
+    """A job's output panel: rank 0's log tail and its logged scalars per step with the hot
+    switches marked, from the agent that holds them (htmx swaps it into the job page every few
+    seconds; without htmx it is a page of its own)."""
+    try:
+        source = job_logs.log_source(
+            session, user.principal, job_id, request.app.state.node_secrets
+        )
+    except JobNotFound:
+        return _not_found(request, user, job_id)
+    job = jobs_service.get_visible_job(session, user.principal, job_id)
+    finished = JobState(job.state) in TERMINAL_STATES
+    marks = pages.step_marks(ConsoleRepository(session).job_events(job_id))
+    session.commit()  # no transaction is held while the agent answers
+    view = pages.job_output(
+        job_id, finished, marks, source, tail_bytes=OUTPUT_TAIL_BYTES, max_points=CURVE_POINTS
+    )
+    context = {"page": "jobs", "out": view, "curve_chart": view.curve.as_json()}
+    if request.headers.get("HX-Request"):
+        return render(request, "_job_output.html", context, user=user)
+    return render(request, "job_output.html", context, user=user)
+
+
 def _act(
     request: Request,
     session: SessionDep,
@@ -309,12 +394,20 @@ def _act(
     **kwargs: Any,
 ) -> Response:
     """Run one operator action through the jobs service, then show the job (or why it failed)."""
-    check_form_token(user, form_token)
+    check_form_token(request, user, form_token)
     try:
         if action == "cancel":
             jobs_service.cancel_job(session, user.principal, job_id, reason=kwargs["reason"])
         elif action in ("hold", "release"):
             jobs_service.set_hold(session, user.principal, job_id, held=action == "hold")
+        elif action == "gpus":
+            jobs_service.set_gpu_range(
+                session,
+                user.principal,
+                job_id,
+                min_gpus=kwargs["min_gpus"],
+                max_gpus=kwargs["max_gpus"],
+            )
         else:
             jobs_service.set_priority(session, user.principal, job_id, priority=kwargs["priority"])
     except JobNotFound:
@@ -375,6 +468,37 @@ def priority(
 ) -> Response:
     """Change a job's priority (operators)."""
     return _act(request, session, user, job_id, form_token, "priority", priority=priority)
+
+
+@router.post("/jobs/{job_id}/gpus", response_model=None)
+def gpu_range(
+    request: Request,
+    session: SessionDep,
+    user: CurrentUser,
+    job_id: JobId,
+    form_token: FormToken,
+    min_gpus: Annotated[int, Form(ge=1, le=MAX_GPUS_PER_JOB)],
+    max_gpus: Annotated[int, Form(ge=1, le=MAX_GPUS_PER_JOB)],
+) -> Response:
+    """Change the GPUs a job may run on (operators)."""
+    if min_gpus > max_gpus:
+        check_form_token(request, user, form_token)
+        try:
+            context = _job_context(session, user, job_id)
+        except JobNotFound:
+            return _not_found(request, user, job_id)
+        context["error"] = f"min_gpus ({min_gpus}) must not exceed max_gpus ({max_gpus})."
+        return render(request, "job.html", context, user=user, status_code=422)
+    return _act(
+        request,
+        session,
+        user,
+        job_id,
+        form_token,
+        "gpus",
+        min_gpus=min_gpus,
+        max_gpus=max_gpus,
+    )
 
 
 @router.get("/nodes")

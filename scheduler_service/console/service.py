@@ -12,7 +12,9 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session
 
 from scheduler_service.auth.service import Principal
+from scheduler_service.budget.ledger import period_speedup, team_statuses
 from scheduler_service.budget.periods import period_containing
+from scheduler_service.budget.repository import LedgerRepository
 from scheduler_service.console.repository import (
     ConsoleRepository,
     EventRow,
@@ -27,8 +29,8 @@ from scheduler_service.db.models import (
     LedgerEntry,
     Node,
     Plan,
-    TelemetrySample,
 )
+from scheduler_service.jobs.logs import LogSource, LogsUnavailable, fetch_chunk, fetch_curve
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState
 from scheduler_service.settings import GreenflowConfig
 
@@ -39,6 +41,8 @@ UNFINISHED_STATES = tuple(
     s.value for s in JobState if s not in TERMINAL_STATES and s is not JobState.PENDING
 )
 HISTORY = timedelta(hours=24)
+# The overview lists at most this many deadline risks (and says how many there are).
+RISKS_SHOWN = 50
 
 
 # Pure helpers ---------------------------------------------------------------------------------
@@ -69,8 +73,8 @@ class Projection:
     note: str
 
 
-def project_completion(job: Job, recent: Sequence[TelemetrySample], now: datetime) -> Projection:
-    """Linear projection of a job's completion from its recent throughput."""
+def project_completion(job: Job, recent_rates: Sequence[float], now: datetime) -> Projection:
+    """Linear projection of a job's completion from its recent throughput (samples/s reports)."""
     state = JobState(job.state)
     if state in TERMINAL_STATES:
         return Projection(
@@ -80,7 +84,7 @@ def project_completion(job: Job, recent: Sequence[TelemetrySample], now: datetim
             None,
             f"job is {state.value}",
         )
-    rates = [s.samples_per_s for s in recent if s.samples_per_s > 0]
+    rates = [rate for rate in recent_rates if rate > 0]
     rate = sum(rates) / len(rates) if rates else None
     total = job_total_samples(job)
     if rate is None or total is None or state not in ACTIVE_STATES:
@@ -177,47 +181,40 @@ class PlanInfo:
     deadline_misses: dict[str, str]
 
 
-def plan_info(plan: Plan, *, visible_job_ids: set[str] | None) -> PlanInfo:
-    """A plan's summary; deadline misses only of the jobs the caller may see (None: all)."""
-    misses = {
-        job_id: reason
-        for job_id, reason in (plan.deadline_misses or {}).items()
-        if visible_job_ids is None or job_id in visible_job_ids
-    }
+def plan_info(plan: Plan, misses: dict[int, str]) -> PlanInfo:
+    """A plan's summary, with the deadline misses of the jobs the caller may see."""
     return PlanInfo(
         created_at=plan.created_at,
         start_at=plan.start_at,
         slot_s=plan.slot_s,
-        slots=len(plan.slots),
+        slots=plan.num_slots,
         policy=plan.policy,
         status=plan.status,
         energy_kwh=plan.energy_kwh,
         emissions_kg=plan.emissions_kg,
         forecast_degraded=plan.forecast_degraded,
-        deadline_misses=misses,
+        deadline_misses={str(job_id): reason for job_id, reason in sorted(misses.items())},
     )
 
 
-def planned_gpus(plan: Plan, job_id: str | None = None) -> list[tuple[datetime, float]]:
-    """GPUs the plan gives per slot (one job's, or all jobs' summed), ending with the horizon."""
-    rows = plan.gpus_by_job or {}
-    counts = [rows.get(job_id, [])] if job_id is not None else list(rows.values())
-    n_slots = max([len(plan.slots), *(len(c) for c in counts)])
-    if job_id is not None:
+def planned_gpus(
+    plan: Plan, per_slot: Sequence[float], *, one_job: bool = False
+) -> list[tuple[datetime, float]]:
+    """GPUs a plan gives per slot (all jobs' summed, or one job's), ending with the horizon."""
+    n_slots = len(per_slot)
+    if one_job:
         # One job: stop after its last planned GPU rather than running to the horizon at zero.
-        per_slot = counts[0]
         n_slots = next((i + 1 for i in range(len(per_slot) - 1, -1, -1) if per_slot[i] > 0), 0)
         n_slots = min(n_slots + 1, len(per_slot))
-    totals = [0.0] * n_slots
-    for per_slot in counts:
-        for index, gpus in enumerate(per_slot[:n_slots]):
-            totals[index] += gpus
     points = [
-        (plan.start_at + timedelta(seconds=i * plan.slot_s), totals[i]) for i in range(n_slots)
+        (plan.start_at + timedelta(seconds=i * plan.slot_s), float(per_slot[i]))
+        for i in range(n_slots)
     ]
     if n_slots:
         # Repeat the last value at the horizon so the last slot's step has its full width.
-        points.append((plan.start_at + timedelta(seconds=n_slots * plan.slot_s), totals[-1]))
+        points.append(
+            (plan.start_at + timedelta(seconds=n_slots * plan.slot_s), float(per_slot[n_slots - 1]))
+        )
     return points
 
 
@@ -245,6 +242,8 @@ class Chart:
     marks: list[dict[str, Any]] = field(default_factory=list)
     # A sparkline: no legend, no axis titles.
     compact: bool = False
+    # "time" (Unix seconds) or "step" (a job's optimizer steps).
+    x_kind: Literal["time", "step"] = "time"
 
     @property
     def empty(self) -> bool:
@@ -259,6 +258,7 @@ class Chart:
             "scales": self.scales,
             "marks": self.marks,
             "compact": self.compact,
+            "x_kind": self.x_kind,
         }
 
 
@@ -350,6 +350,8 @@ class Overview:
     budget: BudgetView
     events: list[EventRow]
     risks: list[JobRisk]
+    # All jobs at risk (the page lists at most RISKS_SHOWN of them)
+    risks_total: int
 
     @property
     def gpus_free(self) -> int:
@@ -363,7 +365,9 @@ def _owner_filter(principal: Principal) -> str | None:
 
 def budget_view(repo: ConsoleRepository, config: GreenflowConfig, now: datetime) -> BudgetView:
     """The current period's budget, spend and burn-down chart."""
-    period = period_containing(now, config.budget.period)
+    period = period_containing(
+        now, config.budget.period, config.budget.time_zone, period_speedup(config)
+    )
     start, end = period.start_at, period.end_at
     entries: list[LedgerEntry] = repo.ledger_in_period(period_start=start)
     limit_kg = config.budget.limit_kg_co2e
@@ -422,6 +426,41 @@ def intensity_view(
     )
 
 
+def deadline_risks(
+    repo: ConsoleRepository, owner: str | None, plan: Plan | None, now: datetime
+) -> tuple[list[JobRisk], int]:
+    """Unfinished jobs that miss or may miss their deadline (at most RISKS_SHOWN), and how many.
+
+    The database selects them: running jobs projected after their deadline from their recent
+    throughput (the same linear projection as `project_completion`), and the others whose
+    deadline has passed; with both, any the plan misses. So neither the statements nor the rows
+    read grow with the number of jobs.
+    """
+    plan_id = plan.id if plan is not None else None
+    active_states = sorted(s.value for s in ACTIVE_STATES)
+    waiting_states = [s for s in UNFINISHED_STATES if s not in active_states]
+    running, running_total = repo.running_at_risk(
+        active_states,
+        owner=owner,
+        plan_id=plan_id,
+        now=now,
+        rate_window=RATE_WINDOW_SAMPLES,
+        limit=RISKS_SHOWN,
+    )
+    waiting, waiting_total = repo.deadline_jobs(
+        waiting_states, owner=owner, plan_id=plan_id, late_before=now, limit=RISKS_SHOWN
+    )
+    risks = [
+        JobRisk(job, project_completion(job, [rate] if rate is not None else [], now), reason)
+        for job, reason, rate in running
+    ]
+    risks.extend(
+        JobRisk(job, project_completion(job, [], now), plan_reason) for job, plan_reason in waiting
+    )
+    risks.sort(key=lambda risk: risk.job.id)
+    return risks[:RISKS_SHOWN], running_total + waiting_total
+
+
 def overview(
     session: Session, principal: Principal, config: GreenflowConfig, now: datetime
 ) -> Overview:
@@ -430,18 +469,7 @@ def overview(
     owner = _owner_filter(principal)
     total, used = repo.gpu_counts()
     counts = repo.count_by_state()
-    plan = repo.latest_plan()
-    misses = (plan.deadline_misses or {}) if plan is not None else {}
-    risks = []
-    for job in repo.jobs_in_states(UNFINISHED_STATES, owner=owner):
-        if job.deadline_at is None:
-            continue
-        projection = project_completion(
-            job, repo.recent_telemetry(job.id, limit=RATE_WINDOW_SAMPLES), now
-        )
-        plan_reason = misses.get(str(job.id))
-        if projection.status in ("at risk", "missed") or plan_reason is not None:
-            risks.append(JobRisk(job, projection, plan_reason))
+    risks, risks_total = deadline_risks(repo, owner, repo.latest_plan(), now)
     return Overview(
         gpus_total=total,
         gpus_used=used,
@@ -450,6 +478,7 @@ def overview(
         budget=budget_view(repo, config, now),
         events=repo.recent_events(kinds=None, owner=owner, limit=15, skip_submissions=True),
         risks=risks,
+        risks_total=risks_total,
     )
 
 
@@ -492,6 +521,48 @@ class CarbonPage:
     budget: BudgetView
     periods: list[PeriodRow]
     bucket_s: float
+    teams: list[TeamRow] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TeamRow:
+    """A team's budget in the current period."""
+
+    name: str
+    queues: list[str]
+    enforcement: str
+    limit_kg: float
+    spent_kg: float
+
+    @property
+    def left_kg(self) -> float:
+        """Budget left (never negative)."""
+        return max(0.0, self.limit_kg - self.spent_kg)
+
+    @property
+    def used_pct(self) -> float:
+        """Share of the limit spent, in percent."""
+        return 100.0 * self.spent_kg / self.limit_kg if self.limit_kg > 0 else 0.0
+
+
+def team_rows(
+    session: Session, principal: Principal, config: GreenflowConfig, now: datetime
+) -> list[TeamRow]:
+    """Team budgets this period: all for operators, a user's own queues' teams for users."""
+    visible = (
+        None if principal.is_operator else LedgerRepository(session).queues_of_owner(principal.name)
+    )
+    return [
+        TeamRow(
+            name=team,
+            queues=config.budget.teams[team].queues,
+            enforcement=config.budget.teams[team].enforcement,
+            limit_kg=status.limit_kg,
+            spent_kg=status.spent_kg,
+        )
+        for team, status in team_statuses(session, config, now).items()
+        if visible is None or visible & set(config.budget.teams[team].queues)
+    ]
 
 
 def _forecast_points(points: Iterable[dict[str, Any]]) -> list[tuple[datetime, float]]:
@@ -536,17 +607,9 @@ def carbon_page(
         lines.append(
             (
                 ChartSeries("Planned GPUs", "GPUs", [], "gpus", "--chart-4", step=True, dash=True),
-                planned_gpus(plan),
+                planned_gpus(plan, plan.total_gpus),
             )
         )
-    visible = (
-        None
-        if principal.is_operator
-        else {
-            str(j.id)
-            for j in repo.jobs_in_states([s.value for s in JobState], owner=principal.name)
-        }
-    )
     chart = aligned_chart(
         lines,
         {"g": {"label": "g CO₂e/kWh"}, "gpus": {"label": "GPUs", "side": "right"}},
@@ -579,10 +642,13 @@ def carbon_page(
         region=region,
         chart=chart,
         forecast=info,
-        plan=plan_info(plan, visible_job_ids=visible) if plan is not None else None,
+        plan=plan_info(plan, repo.plan_misses(plan.id, owner=_owner_filter(principal)))
+        if plan is not None
+        else None,
         budget=budget,
         periods=periods,
         bucket_s=bucket_s,
+        teams=team_rows(session, principal, config, now),
     )
 
 
@@ -680,7 +746,12 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
     # A sample reports the GPUs of the interval that ends at `at`: plot it from the interval's start.
     gpu_points = [(b.first_at - timedelta(seconds=b.interval_s), float(b.gpus)) for b in buckets]
     gpu_lines = [(ChartSeries("GPUs", "GPUs", [], "gpus", "--chart-1", step=True), gpu_points)]
-    planned = planned_gpus(plan, str(job.id)) if plan is not None else []
+    planned_row = repo.plan_job(plan.id, job.id) if plan is not None else None
+    planned = (
+        planned_gpus(plan, planned_row.gpus, one_job=True)
+        if plan is not None and planned_row is not None
+        else []
+    )
     if any(gpus > 0 for _, gpus in planned):
         gpu_lines.append(
             (
@@ -708,6 +779,7 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
         marks=marks,
     )
     latest = recent[-1] if recent else None
+    plan_reason = planned_row.deadline_miss if planned_row is not None else None
     return JobPage(
         job=job,
         total_samples=job_total_samples(job),
@@ -721,9 +793,11 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
         emissions_kg=repo.job_emissions_kg(job.id),
         latest_power_w=latest.power_w if latest else None,
         power_source=latest.power_source if latest else None,
-        projection=project_completion(job, recent, now),
-        plan=plan_info(plan, visible_job_ids={str(job.id)}) if plan is not None else None,
-        plan_reason=(plan.deadline_misses or {}).get(str(job.id)) if plan is not None else None,
+        projection=project_completion(job, [s.samples_per_s for s in recent], now),
+        plan=plan_info(plan, {job.id: plan_reason} if plan_reason is not None else {})
+        if plan is not None
+        else None,
+        plan_reason=plan_reason,
     )
 
 
@@ -795,3 +869,117 @@ def nodes_page(
             )
         views.append(NodeView(node=node, heartbeat_age_s=age, health=health, slots=slots))
     return views
+
+
+# A job's output -------------------------------------------------------------------------------
+
+LR_NAMES = ("lr", "learning_rate")
+# Series colours of the scalars chart, in order (the console's chart palette).
+SCALAR_COLORS = ("--chart-1", "--chart-2", "--chart-3", "--chart-4")
+
+
+@dataclass(frozen=True)
+class JobOutput:
+    """What a job page's output panel shows: rank 0's newest output and the scalars chart."""
+
+    job_id: int
+    finished: bool
+    node: str | None
+    tail: str
+    tail_cut: bool
+    curve: Chart
+    plotted: list[str]
+    other_scalars: list[str]
+    unavailable: str | None = None
+
+
+def step_marks(events: Sequence[JobEvent]) -> list[dict[str, Any]]:
+    """Where on a per-step chart the job started, resumed and was hot-switched."""
+    marks: list[dict[str, Any]] = []
+    for event in events:
+        step = _detail(event.details, "step")
+        if not isinstance(step, int):
+            continue
+        if event.kind == "hot_switch":
+            switch = hot_switch_of(event)
+            label = (
+                f"{switch.from_gpus if switch.from_gpus is not None else '?'}→"
+                f"{switch.to_gpus if switch.to_gpus is not None else '?'} GPUs"
+            )
+            marks.append({"x": step, "label": label, "kind": "hot_switch"})
+        elif event.kind == "allocation":
+            gpus = _detail(event.details, "gpus")
+            verb = "resumed" if step > 0 else "started"
+            marks.append({"x": step, "label": f"{verb} on {gpus} GPUs", "kind": "start"})
+    return marks
+
+
+def scalars_chart(
+    steps: Sequence[int],
+    series: dict[str, list[float | None]],
+    marks: list[dict[str, Any]],
+) -> tuple[Chart, list[str], list[str]]:
+    """The per-step chart of a job's scalars: losses on the left axis, the learning rate on the
+    right; returns it, the names plotted and the names left out (listed under the chart)."""
+    losses = [name for name in series if "loss" in name.lower()]
+    rates = [name for name in series if name.lower() in LR_NAMES]
+    if not losses and not rates and series:
+        losses = [sorted(series)[0]]  # nothing named like a loss: the first name, alone
+    lines: list[ChartSeries] = []
+    for i, name in enumerate([*losses, *rates][: len(SCALAR_COLORS)]):
+        right = name in rates
+        lines.append(
+            ChartSeries(
+                name,
+                "" if not right else "lr",
+                list(series[name]),
+                "lr" if right else "value",
+                SCALAR_COLORS[i],
+                dash=right,
+            )
+        )
+    scales: dict[str, dict[str, Any]] = {"value": {"label": " / ".join(losses) or "value"}}
+    if rates:
+        scales["lr"] = {"label": "learning rate", "side": "right", "min": 0}
+    plotted = [line.label for line in lines]
+    chart = Chart(
+        x=[float(step) for step in steps],
+        series=lines,
+        scales=scales,
+        marks=marks,
+        x_kind="step",
+    )
+    return chart, plotted, [name for name in sorted(series) if name not in plotted]
+
+
+def job_output(
+    job_id: int,
+    finished: bool,
+    marks: list[dict[str, Any]],
+    source: LogSource | None,
+    *,
+    tail_bytes: int,
+    max_points: int,
+) -> JobOutput:
+    """Fetch rank 0's output tail and the job's scalar curve from its agent (no DB session is
+    used: call it after the page's transaction ended, the agent may take seconds)."""
+    node = source.node if source is not None else None
+    try:
+        chunk = fetch_chunk(
+            source, job_id, rank=0, stream="output", offset=0, limit=tail_bytes, tail=tail_bytes
+        )
+        curve = fetch_curve(source, job_id, max_points=max_points)
+    except LogsUnavailable as exc:
+        empty, _, _ = scalars_chart([], {}, marks)
+        return JobOutput(job_id, finished, node, "", False, empty, [], [], str(exc))
+    chart, plotted, others = scalars_chart(curve.steps, curve.series, marks)
+    return JobOutput(
+        job_id=job_id,
+        finished=finished,
+        node=node,
+        tail=chunk.text,
+        tail_cut=chunk.offset > 0,
+        curve=chart,
+        plotted=plotted,
+        other_scalars=others,
+    )

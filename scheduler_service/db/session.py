@@ -37,7 +37,17 @@ def make_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # Bounded waits: while the database is away a request fails in seconds (503), not minutes.
+    # No pre-ping (a round trip per checkout): a connection found dead fails its request (503)
+    # and invalidates the pool, so the connections opened before the outage are all replaced.
+    return create_engine(
+        url,
+        pool_pre_ping=False,
+        pool_size=10,
+        max_overflow=20,
+        pool_timeout=10,
+        connect_args={"connect_timeout": 5},
+    )
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
@@ -60,12 +70,16 @@ def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
 
 
 def run_in_transaction(
-    factory: sessionmaker[Session], work: Callable[[Session], T], attempts: int = 3
+    factory: sessionmaker[Session],
+    work: Callable[[Session], T],
+    attempts: int = 3,
+    also_retry: tuple[type[Exception], ...] = (),
 ) -> T:
-    """Run `work` in its own transaction, again from scratch if a concurrent update made it stale."""
+    """Run `work` in its own transaction, again from scratch if a concurrent update made it stale
+    (or raised one of `also_retry`, such as a unique key a concurrent request inserted first)."""
     for attempt in Retrying(
         stop=stop_after_attempt(attempts),
-        retry=retry_if_exception_type(StaleDataError),
+        retry=retry_if_exception_type((StaleDataError, *also_retry)),
         reraise=True,
     ):
         with attempt, transaction(factory) as session:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
-from sqlalchemy import Select, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Select, delete, func, select
+from sqlalchemy.orm import Session, defer
 
-from scheduler_service.db.models import Allocation, Job, Plan
+from scheduler_service.db.models import Allocation, Job, Plan, PlanJob
+from scheduler_service.dispatch.plans import PLAN_BULK_COLUMNS, index_plan
 
 
 class AllocationRepository:
@@ -30,6 +32,22 @@ class AllocationRepository:
             .order_by(Allocation.generation.desc())
             .limit(1)
         )
+
+    def latest_with_node(self, job_id: int) -> Allocation | None:
+        """The newest command of a job that went to a node (where its output is kept)."""
+        return self.session.scalar(
+            select(Allocation)
+            .where(Allocation.job_id == job_id, Allocation.node_id.is_not(None))
+            .order_by(Allocation.generation.desc())
+            .limit(1)
+        )
+
+    def by_generation(self, job_id: int, *, since: int = 0) -> dict[int, Allocation]:
+        """A job's commands from generation `since` on, by generation."""
+        rows = self.session.scalars(
+            select(Allocation).where(Allocation.job_id == job_id, Allocation.generation >= since)
+        )
+        return {a.generation: a for a in rows}
 
     def latest_acked(self, job_id: int) -> Allocation | None:
         """The newest command of a job that its agent acknowledged."""
@@ -82,18 +100,50 @@ class AllocationRepository:
         """A command by id."""
         return self.session.get(Allocation, allocation_id)
 
+    def get_many(self, allocation_ids: Collection[int]) -> dict[int, Allocation]:
+        """Commands by id, in one query."""
+        if not allocation_ids:
+            return {}
+        stmt = select(Allocation).where(Allocation.id.in_(sorted(allocation_ids)))
+        return {a.id: a for a in self.session.scalars(stmt)}
+
     def add_plan(self, plan: Plan) -> None:
-        """Stage a plan."""
-        self.session.add(plan)
+        """Stage a plan with its per-job rows and per-slot totals."""
+        self.session.add(index_plan(plan))
 
     def latest_plan(self) -> Plan | None:
-        """The current plan."""
+        """The current plan, all of it."""
         return self.session.scalar(select(Plan).order_by(Plan.id.desc()).limit(1))
 
+    def latest_plan_header(self) -> Plan | None:
+        """The current plan without its bulk JSON (reading those columns raises)."""
+        stmt = (
+            select(Plan)
+            .options(*(defer(column, raiseload=True) for column in PLAN_BULK_COLUMNS))
+            .order_by(Plan.id.desc())
+            .limit(1)
+        )
+        return self.session.scalar(stmt)
+
+    def plan_slots(self, plan_id: int) -> list[dict[str, Any]]:
+        """A plan's per-slot capacity, intensity, energy and emissions (one small JSON column)."""
+        return list(self.session.scalar(select(Plan.slots).where(Plan.id == plan_id)) or [])
+
+    def plan_jobs(
+        self, plan_id: int, *, job_ids: Collection[int] | None = None, owner: str | None = None
+    ) -> list[PlanJob]:
+        """A plan's per-job rows (of these jobs, of `owner`'s jobs when given), by job id."""
+        stmt = select(PlanJob).where(PlanJob.plan_id == plan_id).order_by(PlanJob.job_id)
+        if job_ids is not None:
+            stmt = stmt.where(PlanJob.job_id.in_(list(job_ids)))
+        if owner is not None:
+            stmt = stmt.join(Job, Job.id == PlanJob.job_id).where(Job.owner == owner)
+        return list(self.session.scalars(stmt))
+
     def prune_plans(self, keep: int) -> None:
-        """Delete all but the newest `keep` plans."""
-        ids = list(self.session.scalars(select(Plan.id).order_by(Plan.id.desc()).offset(keep)))
-        for plan_id in ids:
-            plan = self.session.get(Plan, plan_id)
-            if plan is not None:
-                self.session.delete(plan)
+        """Delete all but the newest `keep` plans (their per-job rows go with them)."""
+        newest = select(Plan.id).order_by(Plan.id.desc()).limit(keep).scalar_subquery()
+        cutoff = select(func.min(Plan.id)).where(Plan.id.in_(newest)).scalar_subquery()
+        self.session.execute(
+            delete(Plan).where(Plan.id < cutoff).execution_options(synchronize_session=False)
+        )

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel
 
 from scheduler_service.deps import SessionDep, UserOrOperator
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.exceptions import error_responses
-from scheduler_service.jobs.repository import JobRepository
+
+NO_PLAN = "no plan yet: the control loop has not planned any job"
 
 router = APIRouter(prefix="/v1", tags=["plan"], responses=error_responses(401, 403))
 
@@ -35,19 +36,43 @@ class PlanOut(BaseModel):
 
 
 @router.get("/plan", responses=error_responses(404))
-def current_plan(session: SessionDep, caller: UserOrOperator) -> PlanOut:
+def current_plan(
+    session: SessionDep,
+    caller: UserOrOperator,
+    job: Annotated[
+        int | None, Query(ge=1, description="Only this job's rows (if the caller may see it).")
+    ] = None,
+) -> PlanOut:
     """The current plan (users see only their own jobs' rows)."""
-    plan = AllocationRepository(session).latest_plan()
-    if plan is None:
-        raise HTTPException(404, detail="no plan yet: the control loop has not planned any job")
-    out = PlanOut.model_validate(plan, from_attributes=True)
-    if not caller.is_operator:
-        mine = {
-            str(j.id)
-            for j in JobRepository(session).page(
-                owner=caller.name, states=[], queue=None, limit=10_000, offset=0
-            )[0]
-        }
-        out.gpus_by_job = {k: v for k, v in out.gpus_by_job.items() if k in mine}
-        out.deadline_misses = {k: v for k, v in out.deadline_misses.items() if k in mine}
-    return out
+    repo = AllocationRepository(session)
+    if caller.is_operator and job is None:
+        plan = repo.latest_plan()
+        if plan is None:
+            raise HTTPException(404, detail=NO_PLAN)
+        return PlanOut.model_validate(plan, from_attributes=True)
+    # One job's or one user's rows: read from plan_jobs, without parsing the whole plan.
+    header = repo.latest_plan_header()
+    if header is None:
+        raise HTTPException(404, detail=NO_PLAN)
+    rows = repo.plan_jobs(
+        header.id,
+        job_ids=[job] if job is not None else None,
+        owner=None if caller.is_operator else caller.name,
+    )
+    return PlanOut(
+        created_at=header.created_at,
+        start_at=header.start_at,
+        slot_s=header.slot_s,
+        policy=header.policy,
+        status=header.status,
+        gap=header.gap,
+        solve_s=header.solve_s,
+        energy_kwh=header.energy_kwh,
+        emissions_kg=header.emissions_kg,
+        forecast_degraded=header.forecast_degraded,
+        gpus_by_job={str(r.job_id): r.gpus for r in rows if r.gpus},
+        slots=repo.plan_slots(header.id),
+        deadline_misses={
+            str(r.job_id): r.deadline_miss for r in rows if r.deadline_miss is not None
+        },
+    )

@@ -6,10 +6,13 @@ leaves the scheduler, so a restart resends what was not acknowledged and loses n
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm.exc import StaleDataError
 
 from scheduler_service.allocation.problem import AllocationPlan
 from scheduler_service.db.base import utcnow
@@ -18,10 +21,18 @@ from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, transition
 from scheduler_service.nodes.repository import NodeRepository
-from scheduler_service.placement import NodeSlots, Placement, place
-from scheduler_service.planning import PlanningInput
+from scheduler_service.nodes.secrets import NodeSecrets
+from scheduler_service.placement import NodeSlots, Placed, Placement, place_jobs
+from scheduler_service.planning import PlanningInput, plan_facts
 from scheduler_service.telemetry.service import total_samples_of
-from worker_agent.protocol import AllocationAck, AllocationCommand, StopCommand, WorkloadSpec
+from worker_agent.protocol import (
+    AllocationAck,
+    AllocationCommand,
+    RemotePart,
+    StopCommand,
+    WorkloadSpec,
+    worker_grant,
+)
 
 
 @dataclass(frozen=True)
@@ -36,13 +47,42 @@ class Delivery:
     order: int = 2
 
 
-def _current_placements(session: Session, job_ids: list[int]) -> dict[int, Placement]:
+def _current_placements(
+    session: Session, job_ids: list[int], newest: dict[int, Allocation]
+) -> dict[int, Placement]:
+    """Where each job holds slots: its own node (the newest command's, where its runner is)
+    first, then its parts on further nodes."""
     out: dict[int, Placement] = {}
     for job_id, slots in NodeRepository(session).slots_of_jobs(job_ids).items():
+        by_node: dict[int, list[int]] = {}
+        for slot in slots:
+            by_node.setdefault(slot.node_id, []).append(slot.index)
+        last = newest.get(job_id)
+        own = last.node_id if last is not None and last.node_id in by_node else slots[0].node_id
+        assert own is not None
         out[job_id] = Placement(
-            slots[0].node_id, tuple(s.index for s in slots if s.node_id == slots[0].node_id)
+            own,
+            tuple(by_node.pop(own)),
+            tuple((n, tuple(ix)) for n, ix in sorted(by_node.items())),
         )
     return out
+
+
+def _heard_within(node: Node, now: datetime, seconds: float) -> bool:
+    last = node.last_heartbeat_at
+    if last is None:
+        return False
+    if last.tzinfo is None:  # SQLite hands back naive UTC
+        last = last.replace(tzinfo=UTC)
+    return (now - last).total_seconds() <= seconds
+
+
+def tp_degree(layout: str | None) -> int:
+    """The tensor-parallel degree of a layout label `dp{d}-tp{t}-pp{p}` (1 when unknown)."""
+    for part in (layout or "").split("-"):
+        if part.startswith("tp") and part[2:].isdigit():
+            return max(1, int(part[2:]))
+    return 1
 
 
 def _pause_homes(
@@ -62,6 +102,11 @@ def _why_not_now(plan: AllocationPlan, job_id: str, budget_left_kg: float) -> st
     if later:
         start = plan.start_at.timestamp() + later[0] * plan.slot_s
         return f"waiting for cleaner power: planned to run from {datetime.fromtimestamp(start).astimezone().isoformat(timespec='seconds')}"
+    if job_id in plan.team_cut:
+        return (
+            f"team '{plan.team_cut[job_id]}' hard carbon budget: what is left this period pays"
+            " for no more of its jobs' GPUs"
+        )
     if budget_left_kg <= 1e-9:
         return "carbon budget of this period is spent: waiting for the next period"
     return "no capacity or budget for it within the planning horizon"
@@ -71,13 +116,16 @@ def enforce_deadlines(session: Session, now: datetime) -> list[int]:
     """Mark unfinished jobs past their deadline; return those that must stop."""
     jobs = JobRepository(session)
     stopped: list[int] = []
-    for job in jobs.in_states(
-        [s.value for s in (JobState.QUEUED, JobState.DEFERRED, *ACTIVE_STATES)]
-    ):
+    # Only the jobs whose deadline has passed (indexed), not every unfinished job each tick.
+    due = jobs.in_states(
+        [s.value for s in (JobState.QUEUED, JobState.DEFERRED, *ACTIVE_STATES)], deadline_by=now
+    )
+    noted = jobs.with_event([job.id for job in due if job.run_past_deadline], "deadline_missed")
+    for job in due:
         if job.deadline_at is None or job.deadline_at > now:
             continue
         if job.run_past_deadline:
-            if not jobs.has_event(job.id, "deadline_missed"):
+            if job.id not in noted:
                 jobs.add_event(
                     JobEvent(
                         job_id=job.id,
@@ -110,7 +158,7 @@ def stop_finished_jobs(session: Session) -> None:
             continue
         nodes.release_job(job.id)
         job.current_gpus = 0
-        allocations.add(
+        session.add(
             Allocation(
                 job_id=job.id,
                 generation=last.generation + 1,
@@ -123,14 +171,61 @@ def stop_finished_jobs(session: Session) -> None:
         )
 
 
-def decide(session: Session, planning: PlanningInput, plan: AllocationPlan, now: datetime) -> int:
-    """Place the plan's first slot and stage a command for every job whose placement changes."""
+def planned_rows(session: Session, planning: PlanningInput) -> dict[int, Job]:
+    """The planned jobs' rows, read again in the writing transaction.
+
+    A row whose plan facts (state, hold, priority, deadline, GPU range) changed since the
+    snapshot is held to the version the snapshot read, so writing it fails this transaction's
+    flush with StaleDataError and the loop plans again; a row that only made progress
+    (telemetry) is written as read now, so running jobs reporting every few seconds do not
+    turn every tick into a re-plan.
+    """
+    # Locked until the plan is written: telemetry's progress writes to these rows wait the
+    # moment it takes, instead of failing this write at its flush (at 1,000 jobs reporting every
+    # 5 s, some written row always changed in between and the tick re-planned until it backed off).
+    rows = JobRepository(session).get_many(
+        [job.job_id for job in planning.jobs.values()], for_update=True
+    )
+    for job in planning.jobs.values():
+        row = rows.get(job.job_id)
+        if row is None:
+            raise StaleDataError(f"job {job.job_id} was deleted while the tick planned")
+        if row.version != job.version and plan_facts(row) != job.facts:
+            # The UPDATE then says WHERE version = <the snapshot's>, which matches no row.
+            set_committed_value(row, "version", job.version)
+    return rows
+
+
+def decide(
+    session: Session,
+    planning: PlanningInput,
+    plan: AllocationPlan,
+    now: datetime,
+    rows: dict[int, Job] | None = None,
+    span_fresh_s: float | None = None,
+) -> int:
+    """Place the plan's first slot and stage a command for every job whose placement changes.
+
+    `span_fresh_s`: a job spans onto a node only if it heard from it this recently (a node that
+    just died under a spanning job is not chosen again while its heartbeats time out)."""
+    if rows is None:
+        rows = planned_rows(session, planning)
     first = plan.first_slot()
     targets = {int(k): v for k, v in first.items()}
     job_ids = list(targets)
-    current = _current_placements(session, job_ids)
+    allocations = AllocationRepository(session)
+    newest = allocations.newest_by_job(job_ids)
+    current = _current_placements(session, job_ids, newest)
     ready = NodeRepository(session).nodes_with_slots(ready_only=True)
     nodes = [NodeSlots(n.id, tuple(s.index for s in n.slots)) for n in ready]
+    # Nodes whose agents advertised an address the others reach: a job may span these.
+    spannable = {
+        n.id
+        for n in ready
+        if n.rendezvous_host
+        and n.worker_host_port
+        and (span_fresh_s is None or _heard_within(n, now, span_fresh_s))
+    }
     allowed = {
         int(k): spec.allowed_gpus
         for k, spec in zip(planning.jobs, planning.problem.jobs, strict=True)
@@ -144,53 +239,96 @@ def decide(session: Session, planning: PlanningInput, plan: AllocationPlan, now:
             j,
         ),
     )
-    allocations = AllocationRepository(session)
-    placements = place(
-        targets, current, nodes, allowed, order, home=_pause_homes(allocations, job_ids, current)
+    # A job that fits on no single node spans nodes that advertised a rendezvous address (its
+    # TP groups stay inside a node: each part a multiple of its current TP degree); a count
+    # placement cannot hold comes back lowered with the reason, which the command and the
+    # job's event carry.
+    placed = place_jobs(
+        targets,
+        current,
+        nodes,
+        allowed,
+        order,
+        home=_pause_homes(allocations, job_ids, current),
+        tp={j: tp_degree(rows[j].current_layout) for j in job_ids if j in rows},
+        span_nodes=True,
+        spannable=spannable,
     )
+    placements = placed.placements
     budget_left = min(
         (p.budget_left_kg for p in planning.problem.budget_periods if p.start_s <= 0 < p.end_s),
         default=float("inf"),
     )
     jobs_repo = JobRepository(session)
     node_repo = NodeRepository(session)
-    newest = allocations.newest_by_job(job_ids)
     changed = 0
-    for job_id in order:
-        job = planning.jobs[str(job_id)]
-        new = placements[job_id]
-        old = current.get(job_id, Placement(None, ()))
-        last = newest.get(job_id)
-        in_flight = last is not None and last.status in ("pending", "unreachable")
-        if new == old and not (in_flight and last is not None and (last.gpus != new.gpus)):
-            _note_waiting(jobs_repo, job, plan, str(job_id), new, budget_left)
-            continue
-        model = planning.models[str(job_id)]
-        if new.node_id is not None:
-            node_repo.assign(new.node_id, list(new.slot_indices), job_id)
-        else:
-            node_repo.release_job(job_id)
-        if last is not None and last.status in ("pending", "unreachable"):
-            last.status = "superseded"
-        reason = f"plan: {old.gpus} -> {new.gpus} GPUs"
-        allocations.add(
-            Allocation(
-                job_id=job_id,
-                generation=last.generation + 1 if last is not None else 1,
-                node_id=new.node_id if new.node_id is not None else old.node_id,
-                gpus=new.gpus,
-                slot_indices=list(new.slot_indices),
-                estimated_power_w={str(g): w for g, w in model.power_w.items()},
-                status="pending",
-                reason=reason
-                if new.gpus
-                else f"pause: {_why_not_now(plan, str(job_id), budget_left)}",
-            )
-        )
-        if JobState(job.state) is JobState.RUNNING:
-            jobs_repo.add_event(transition(job, JobState.RESIZING, reason=reason, at=now))
-        changed += 1
+    # The slots of every moved job are written after the loop, in two statements (release, then
+    # assign in this order), and nothing is flushed meanwhile: one UPDATE pair and one flush per
+    # job made the write step grow with the jobs moved (512 of them: 2,000 round trips).
+    moved: list[int] = []
+    assigned: list[tuple[int, int, int]] = []  # (node id, slot index, job id)
+    with session.no_autoflush:
+        for job_id in order:
+            changed += _decide_job(
+                session, job_id, rows, placements, current, newest, planning, plan, now,
+                placed, budget_left, jobs_repo, moved, assigned,
+            )  # fmt: skip
+    node_repo.reassign(moved, assigned)
     return changed
+
+
+def _decide_job(
+    session: Session,
+    job_id: int,
+    rows: dict[int, Job],
+    placements: dict[int, Placement],
+    current: dict[int, Placement],
+    newest: dict[int, Allocation],
+    planning: PlanningInput,
+    plan: AllocationPlan,
+    now: datetime,
+    placed: Placed,
+    budget_left: float,
+    jobs_repo: JobRepository,
+    moved: list[int],
+    assigned: list[tuple[int, int, int]],
+) -> int:
+    """Stage one planned job's command and event (1: its placement changes, 0: it does not)."""
+    job = rows[job_id]
+    new = placements[job_id]
+    old = current.get(job_id, Placement(None, ()))
+    last = newest.get(job_id)
+    in_flight = last is not None and last.status in ("pending", "unreachable")
+    if new == old and not (in_flight and last is not None and (last.gpus != new.gpus)):
+        _note_waiting(jobs_repo, job, plan, str(job_id), new, budget_left, placed.short.get(job_id))
+        return 0
+    model = planning.models[str(job_id)]
+    moved.append(job_id)
+    if new.node_id is not None:
+        assigned.extend((node_id, index, job_id) for node_id, ix in new.parts for index in ix)
+    if last is not None and last.status in ("pending", "unreachable"):
+        last.status = "superseded"
+    reason = f"plan: {old.gpus} -> {new.gpus} GPUs"
+    if new.others:
+        reason += f" on {len(new.parts)} nodes"
+    if job_id in placed.short:
+        reason += f" ({placed.short[job_id]})"
+    session.add(
+        Allocation(
+            job_id=job_id,
+            generation=last.generation + 1 if last is not None else 1,
+            node_id=new.node_id if new.node_id is not None else old.node_id,
+            gpus=new.gpus,
+            slot_indices=list(new.slot_indices),
+            parts=[[n, list(ix)] for n, ix in new.others] or None,
+            estimated_power_w={str(g): w for g, w in model.power_w.items()},
+            status="pending",
+            reason=reason if new.gpus else f"pause: {_why_not_now(plan, str(job_id), budget_left)}",
+        )
+    )
+    if JobState(job.state) is JobState.RUNNING:
+        jobs_repo.add_event(transition(job, JobState.RESIZING, reason=reason, at=now))
+    return 1
 
 
 def _note_waiting(
@@ -200,19 +338,30 @@ def _note_waiting(
     key: str,
     placement: Placement,
     budget_left: float,
+    short: str | None = None,
 ) -> None:
     if placement.gpus == 0 and JobState(job.state) is JobState.QUEUED:
-        jobs.add_event(
-            transition(job, JobState.DEFERRED, reason=_why_not_now(plan, key, budget_left))
-        )
+        # The plan gave it GPUs that placement could not find on any node: say so.
+        reason = f"placement: {short}" if short else _why_not_now(plan, key, budget_left)
+        jobs.add_event(transition(job, JobState.DEFERRED, reason=reason))
 
 
-def deliveries(session: Session) -> list[Delivery]:
+def deliveries(session: Session, node_secrets: NodeSecrets) -> list[Delivery]:
     """Every command still to deliver, with its agent's address and secret."""
     out: list[Delivery] = []
-    nodes = NodeRepository(session)
-    jobs = JobRepository(session)
-    for allocation in AllocationRepository(session).unacknowledged():
+    allocations = AllocationRepository(session)
+    pending = allocations.unacknowledged()
+    # Three queries for all of them, not three per command (a plan can move a thousand jobs).
+    job_ids = sorted({a.job_id for a in pending})
+    jobs = JobRepository(session).get_many(job_ids)
+    nodes = NodeRepository(session).get_many(
+        sorted(
+            {a.node_id for a in pending if a.node_id}
+            | {int(n) for a in pending for n, _ in (a.parts or [])}
+        )
+    )
+    last_acked = allocations.newest_by_job(job_ids, acked=True) if job_ids else {}
+    for allocation in pending:
         node: Node | None = (
             nodes.get(allocation.node_id) if allocation.node_id is not None else None
         )
@@ -225,7 +374,14 @@ def deliveries(session: Session) -> list[Delivery]:
                 # Nothing runs on a lost or unknown node: the stop is moot.
                 allocation.status = "superseded"
             continue
+        if node.secret_key_id != node_secrets.key_id or not node.agent_secret_nonce:
+            # Registered under another scheduler key: its next heartbeat is told to register
+            # again, which draws a secret this scheduler can present; the command waits.
+            continue
         command: AllocationCommand | StopCommand
+        remote = _remote_parts(allocation, nodes, node, node_secrets)
+        if remote is None:
+            continue  # a further node of the job is not ready (yet): the command waits
         if JobState(job.state) in TERMINAL_STATES:
             command = StopCommand(
                 job_id=job.id, generation=allocation.generation, reason=allocation.reason
@@ -235,6 +391,7 @@ def deliveries(session: Session) -> list[Delivery]:
                 job_id=job.id,
                 generation=allocation.generation,
                 slot_indices=list(allocation.slot_indices),
+                remote=remote,
                 spec=WorkloadSpec(
                     workload=job.workload,
                     global_batch_size=job.global_batch_size,
@@ -242,6 +399,10 @@ def deliveries(session: Session) -> list[Delivery]:
                         job.total_samples, job.total_steps, job.global_batch_size
                     ),
                     seed=job.id,
+                    bundle_sha256=job.bundle_sha256,
+                    options=dict(job.options or {}),
+                    job_created_at=job.created_at,
+                    init_from=job.init_from,
                 ),
                 estimated_power_w={
                     int(k): v for k, v in (allocation.estimated_power_w or {}).items()
@@ -250,20 +411,58 @@ def deliveries(session: Session) -> list[Delivery]:
             )
         allocation.sent_at = utcnow()
         allocation.attempts += 1
-        acked = AllocationRepository(session).latest_acked(job.id)
+        acked = last_acked.get(job.id)
         held = (
-            set(acked.slot_indices)
-            if acked is not None and acked.node_id == allocation.node_id
-            else set()
+            _slots_of(acked) if acked is not None and acked.node_id == allocation.node_id else set()
         )
         if allocation.gpus == 0:
             order = 0
-        elif set(allocation.slot_indices) <= held:
+        elif _slots_of(allocation) <= held:
             order = 1
         else:
             order = 2
-        out.append(Delivery(allocation.id, node.agent_url, node.agent_secret, command, order))
+        secret = node_secrets.agent_secret(node.id, node.name, node.agent_secret_nonce)
+        out.append(Delivery(allocation.id, node.agent_url, secret, command, order))
     return sorted(out, key=lambda d: (d.order, d.allocation_id))
+
+
+def _slots_of(allocation: Allocation) -> set[tuple[int | None, int]]:
+    """Every (node, slot) an allocation gives its job."""
+    out = {(allocation.node_id, i) for i in allocation.slot_indices}
+    for node_id, indices in allocation.parts or []:
+        out |= {(int(node_id), int(i)) for i in indices}
+    return out
+
+
+def _remote_parts(
+    allocation: Allocation, nodes: dict[int, Node], runner: Node, node_secrets: NodeSecrets
+) -> list[RemotePart] | None:
+    """The job's parts on further nodes as the command to `runner` names them, each with its
+    grant; None while one of those nodes is not ready, has no address the others reach, or was
+    registered under another scheduler key."""
+    out: list[RemotePart] = []
+    for node_id, indices in allocation.parts or []:
+        node = nodes.get(int(node_id))
+        if (
+            node is None
+            or node.state != "ready"
+            or not node.rendezvous_host
+            or not node.worker_host_port
+            or node.secret_key_id != node_secrets.key_id
+            or not node.agent_secret_nonce
+        ):
+            return None
+        secret = node_secrets.agent_secret(node.id, node.name, node.agent_secret_nonce)
+        out.append(
+            RemotePart(
+                node=node.name,
+                host=node.rendezvous_host,
+                port=node.worker_host_port,
+                slot_indices=[int(i) for i in indices],
+                grant=worker_grant(secret, allocation.job_id, runner.name),
+            )
+        )
+    return out
 
 
 def record_ack(session: Session, allocation_id: int, ack: AllocationAck | None) -> None:
@@ -276,7 +475,8 @@ def record_ack(session: Session, allocation_id: int, ack: AllocationAck | None) 
     allocation.acked_at = utcnow()
     allocation.error = None
     jobs = JobRepository(session)
-    job = jobs.get(allocation.job_id)
+    # From the session when `prefetch_answers` read it in this transaction (no query per ack).
+    job = session.get(Job, allocation.job_id)
     if job is None or ack is None:
         return  # a stop: nothing more to record
     allocation.layout = ack.layout
@@ -357,6 +557,18 @@ def _resume_note(ack: AllocationAck, lost_samples: int) -> str:
     )
     lost = f"; {lost_samples} samples trained since then are redone" if lost_samples else ""
     return f", resumed from {where}{lost}"
+
+
+def prefetch_answers(
+    session: Session, allocation_ids: Collection[int]
+) -> tuple[dict[int, Allocation], dict[int, Job]]:
+    """Read the commands answered together, and their jobs, in two queries: recording each
+    answer then finds them in the session (a plan that moves 2,000 jobs is answered at once).
+    The caller keeps what this returns until it has recorded them: the session holds unchanged
+    objects only weakly."""
+    allocations = AllocationRepository(session).get_many(allocation_ids)
+    jobs = JobRepository(session).get_many(sorted({a.job_id for a in allocations.values()}))
+    return allocations, jobs
 
 
 def record_failure(session: Session, allocation_id: int, error: str, *, rejected: bool) -> None:

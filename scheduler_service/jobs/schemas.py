@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
 from typing import Annotated, Any, Self
 
 from pydantic import (
-    AwareDatetime,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -20,19 +19,42 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 
 from scheduler_service.jobs.states import JobState
-from worker_agent.protocol import WORKLOAD_PATTERN, WORKLOAD_PRESETS
+from worker_agent.protocol import (
+    MODULE_PRESETS,
+    SHA256_PATTERN,
+    WORKLOAD_PATTERN,
+    WORKLOAD_PRESETS,
+    WireDatetime,
+)
 
 MAX_GPUS_PER_JOB = 4096
+MAX_OPTIONS_BYTES = 16_384
 
 
-def _iso_text(value: Any) -> Any:
-    # Numbers would be read as Unix times; the schema promises an ISO 8601 string.
-    if not isinstance(value, str | datetime):
-        raise ValueError("must be an ISO 8601 date-time string with a time zone")
-    return value
+# ISO 8601 text with a time zone, years 2000-9000 (a later date overflows once moved to UTC).
+IsoDatetime = WireDatetime
 
 
-IsoDatetime = Annotated[AwareDatetime, BeforeValidator(_iso_text)]
+INIT_FROM_JOB = re.compile(r"^job:([1-9][0-9]{0,17})$")
+
+
+def check_init_from(value: str, workload: str) -> None:
+    """Raise ValueError (naming init_from) unless `value` is `job:<id>` or a clean absolute
+    path, on an entrypoint workload."""
+    if workload in WORKLOAD_PRESETS and workload not in MODULE_PRESETS:
+        raise ValueError(
+            f"init_from goes with an entrypoint workload (module:function) or a model preset "
+            f"({', '.join(sorted(MODULE_PRESETS))}), not {workload!r}"
+        )
+    if INIT_FROM_JOB.match(value):
+        return
+    if not value.startswith("/"):
+        raise ValueError(
+            f"init_from {value!r}: use job:<id> (an earlier job's export) or an absolute path "
+            "on the nodes"
+        )
+    if any(ord(ch) < 32 for ch in value) or ".." in value.split("/"):
+        raise ValueError("init_from: a path without control characters or '..' components")
 
 
 class JobSpec(BaseModel):
@@ -83,6 +105,31 @@ class JobSpec(BaseModel):
     run_past_deadline: StrictBool = Field(
         default=False, description="Keep running after a missed deadline."
     )
+    bundle: Annotated[
+        str | None,
+        Field(
+            pattern=SHA256_PATTERN,
+            description="SHA-256 of the job's workdir bundle (PUT /v1/bundles/{sha256} first; "
+            "`greenflow submit --workdir DIR` does both): the directory the entrypoint is "
+            "imported from on the agents.",
+        ),
+    ] = None
+    options: dict[str, Any] | None = Field(
+        default=None,
+        description="Keyword arguments of the entrypoint's job function (JSON, at most "
+        f"{MAX_OPTIONS_BYTES} bytes).",
+    )
+    init_from: Annotated[
+        str | None,
+        Field(
+            max_length=1000,
+            description="Entrypoint jobs: start from these weights (step 0, a fresh optimizer) "
+            "instead of the model's initialisation. `job:<id>`: the export of an earlier "
+            "SUCCEEDED job of yours (kept by the agent of the node that ran it); or an absolute "
+            "path on the nodes: an exported or Hugging Face directory with model.safetensors, "
+            "or a .safetensors state dict file.",
+        ),
+    ] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +165,12 @@ class JobSpec(BaseModel):
             and self.deadline <= self.begin_after
         ):
             raise ValueError("deadline must be after begin_after")
+        if self.workload in WORKLOAD_PRESETS and (self.bundle or self.options):
+            raise ValueError("bundle and options go with an entrypoint workload (module:function)")
+        if self.init_from is not None:
+            check_init_from(self.init_from, self.workload)
+        if self.options is not None and len(json.dumps(self.options)) > MAX_OPTIONS_BYTES:
+            raise ValueError(f"options: more than {MAX_OPTIONS_BYTES} bytes of JSON")
         return self
 
     def total_samples_resolved(self) -> int:
@@ -149,6 +202,9 @@ class JobOut(BaseModel):
     submission_id: str | None
     best_effort: bool
     run_past_deadline: bool
+    bundle: str | None = Field(validation_alias="bundle_sha256")
+    options: dict[str, Any] | None
+    init_from: str | None = None
     held: bool
     state: JobState
     state_reason: str
@@ -192,6 +248,23 @@ class CancelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: Annotated[str, Field(max_length=500)] = "cancelled by request"
+
+
+class GpuRange(BaseModel):
+    """The GPUs a job may run on (between min and max, or none while it waits)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_gpus: Annotated[int, Strict(), Field(ge=1, le=MAX_GPUS_PER_JOB)]
+    max_gpus: Annotated[int, Strict(), Field(ge=1, le=MAX_GPUS_PER_JOB)]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.min_gpus > self.max_gpus:
+            raise ValueError(
+                f"min_gpus ({self.min_gpus}) must not exceed max_gpus ({self.max_gpus})"
+            )
+        return self
 
 
 class PriorityChange(BaseModel):

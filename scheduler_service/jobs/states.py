@@ -8,6 +8,7 @@ from typing import Any
 
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import Job, JobEvent
+from scheduler_service.exceptions import InvalidTransition
 
 
 class JobState(StrEnum):
@@ -78,15 +79,6 @@ _ALLOWED: dict[JobState, frozenset[JobState]] = {
 }
 
 
-class InvalidTransition(Exception):
-    """A state change the lifecycle does not allow (e.g. leaving a terminal state)."""
-
-    def __init__(self, job_id: int, from_state: str, to_state: str) -> None:
-        super().__init__(f"job {job_id} cannot go from {from_state} to {to_state}")
-        self.from_state = from_state
-        self.to_state = to_state
-
-
 def can_transition(from_state: JobState, to_state: JobState) -> bool:
     """Whether the lifecycle allows this change."""
     return to_state in _ALLOWED.get(from_state, frozenset())
@@ -134,4 +126,19 @@ def initial_event(job: Job, *, reason: str, actor: str) -> JobEvent:
         to_state=job.state,
         reason=reason,
         actor=actor,
+        # Every column given, as `transition` gives them: a submission's two events then share
+        # one column set and go to the database as one multi-row INSERT.
+        details=None,
     )
+
+
+def submission_events(*, at: datetime, submitter: str, reason: str) -> list[dict[str, Any]]:
+    """A new job's first two events as column values: created PENDING (by its submitter), then
+    QUEUED (why: the admission's note)."""
+    first = {"at": at, "kind": "state", "details": None}
+    return [
+        {**first, "from_state": None, "to_state": JobState.PENDING.value, "reason": "submitted",
+         "actor": submitter},
+        {**first, "from_state": JobState.PENDING.value, "to_state": JobState.QUEUED.value,
+         "reason": reason, "actor": "system"},
+    ]  # fmt: skip

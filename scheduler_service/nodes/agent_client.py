@@ -30,9 +30,14 @@ def _transient(exc: BaseException) -> bool:
 class AgentClient:
     """One async HTTP client for all agents."""
 
-    def __init__(self, timeout_s: float = 120.0, attempts: int = 3) -> None:
+    def __init__(
+        self, timeout_s: float = 120.0, attempts: int = 3, max_connections: int = 100
+    ) -> None:
         # Long timeout: an allocation returns when the hot switch is done.
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=max_connections),
+        )
         self.attempts = attempts
 
     async def _post(self, url: str, secret: str, body: BaseModel) -> httpx.Response:
@@ -53,6 +58,14 @@ class AgentClient:
                         response.raise_for_status()
         except (httpx.TransportError, httpx.HTTPStatusError) as exc:
             raise AgentUnreachable(f"{url}: {exc}") from exc
+        except Exception as exc:
+            # A node whose address or secret cannot even make a request (a malformed URL, say)
+            # is that node's problem: it must never fail the tick that serves every other node.
+            raise AgentUnreachable(f"{url}: cannot send: {type(exc).__name__}: {exc}") from exc
+        if response.status_code in (401, 403):
+            # The agent registered again (a new secret) after this command was prepared: the
+            # next delivery carries the new one.
+            raise AgentUnreachable(f"{url}: the agent refused the secret ({response.status_code})")
         if response.status_code >= 400:
             try:
                 detail = str(response.json().get("detail"))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
+from typing import cast
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Table, bindparam, func, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from scheduler_service.db.models import GpuSlot, Node
@@ -39,6 +41,12 @@ class NodeRepository:
     def get(self, node_id: int) -> Node | None:
         """The node with this id."""
         return self.session.get(Node, node_id)
+
+    def get_many(self, node_ids: list[int]) -> dict[int, Node]:
+        """The nodes with these ids, in one query."""
+        if not node_ids:
+            return {}
+        return {n.id: n for n in self.session.scalars(select(Node).where(Node.id.in_(node_ids)))}
 
     def add(self, node: Node) -> Node:
         """Stage a new node and give it an id."""
@@ -100,3 +108,34 @@ class NodeRepository:
                 .where(GpuSlot.node_id == node_id, GpuSlot.index.in_(indices))
                 .values(job_id=job_id)
             )
+
+    def reassign(self, job_ids: Sequence[int], slots: Sequence[tuple[int, int, int]]) -> None:
+        """Free every slot these jobs hold, then give each (node id, slot index) its job id, in
+        this order (a later entry for a slot wins): two statements however many jobs move."""
+        if job_ids:
+            self.session.execute(
+                update(GpuSlot).where(GpuSlot.job_id.in_(sorted(set(job_ids)))).values(job_id=None)
+            )
+        if slots:
+            table = cast(Table, GpuSlot.__table__)
+            self.session.execute(
+                update(table)
+                .where(
+                    table.c.node_id == bindparam("slot_node"),
+                    # `c.index` is the collection's own method: the column is `c["index"]`.
+                    table.c["index"] == bindparam("slot"),
+                )
+                .values(job_id=bindparam("slot_job")),
+                [{"slot_node": n, "slot": i, "slot_job": j} for n, i, j in slots],
+            )
+
+    def assign_parts(self, parts: Sequence[tuple[int, Sequence[int]]], job_id: int) -> None:
+        """Give a job these slots on one or more nodes (after releasing what it held)."""
+        self.release_job(job_id)
+        for node_id, indices in parts:
+            if indices:
+                self.session.execute(
+                    update(GpuSlot)
+                    .where(GpuSlot.node_id == node_id, GpuSlot.index.in_(list(indices)))
+                    .values(job_id=job_id)
+                )

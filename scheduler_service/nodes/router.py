@@ -4,48 +4,54 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Request
+from fastapi import APIRouter, Path, Request
 
 from scheduler_service.db.base import utcnow
-from scheduler_service.deps import Agent, Operator, SessionDep
+from scheduler_service.deps import Agent, ConfigDep, FreshAgent, Operator, SessionDep
 from scheduler_service.exceptions import error_responses
 from scheduler_service.nodes import service
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.nodes.schemas import NodeOut
 from worker_agent.protocol import Heartbeat, HeartbeatAck, NodeRegistered, NodeRegistration
 
-router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=error_responses(401, 403))
+router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=error_responses(401, 403, 429))
 
 NodeNamePath = Annotated[str, Path(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 
 @router.post("/register", responses=error_responses(400))
 def register(
-    body: NodeRegistration, session: SessionDep, _agent: Agent, request: Request
+    body: NodeRegistration,
+    session: SessionDep,
+    agent: FreshAgent,
+    config: ConfigDep,
+    request: Request,
 ) -> NodeRegistered:
-    """Register (or re-register) an agent's node and its GPU slots."""
-    result = service.register_node(session, body)
+    """Register (or re-register) the caller's own node and its GPU slots.
+
+    The caller's token must be that node's credential; the answer carries a new secret the
+    scheduler will present to the agent from now on."""
+    result = service.register_node(session, agent, body, request.app.state.node_secrets)
     request.app.state.wake_control_loop()
     timing = request.app.state.agent_timing
     return NodeRegistered(
         node_id=result.node.id,
         heartbeat_interval_s=timing.heartbeat_interval_s,
         telemetry_interval_s=timing.telemetry_interval_s,
+        agent_secret=result.agent_secret,
+        idle_power_per_gpu_w=config.cluster.idle_power_per_gpu_w,
+        host_power_w=config.cluster.host_power_w,
     )
 
 
 @router.post("/{name}/heartbeat", responses=error_responses(400, 404))
 def heartbeat(
-    name: NodeNamePath, body: Heartbeat, session: SessionDep, _agent: Agent, request: Request
+    name: NodeNamePath, body: Heartbeat, session: SessionDep, agent: Agent, request: Request
 ) -> HeartbeatAck:
-    """Record a heartbeat; 404 tells the agent to register again."""
+    """Record a heartbeat of the caller's own node; 404 tells the agent to register again."""
     grace_s = 3 * request.app.state.agent_timing.heartbeat_interval_s
-    try:
-        return service.heartbeat(session, name, body, grace_s=grace_s)
-    except service.UnknownNode as exc:
-        raise HTTPException(
-            404, detail=f"node {name} is not registered (or was marked lost): register again"
-        ) from exc
+    key_id = request.app.state.node_secrets.key_id
+    return service.heartbeat(session, agent, name, body, key_id=key_id, grace_s=grace_s)
 
 
 @router.get("")

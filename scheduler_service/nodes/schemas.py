@@ -29,6 +29,8 @@ class NodeOut(BaseModel):
     state: str
     gpu_kind: str
     simulated: bool
+    rendezvous_host: str | None = None
+    worker_host_port: int | None = None
     registered_at: datetime
     last_heartbeat_at: datetime | None
     heartbeat_age_s: float | None = None

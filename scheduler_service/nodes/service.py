@@ -7,29 +7,49 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
+from scheduler_service.auth.repository import TokenRepository
+from scheduler_service.auth.service import Principal
+from scheduler_service.auth.tokens import Role
 from scheduler_service.db.base import utcnow
-from scheduler_service.db.models import GpuSlot, Job, JobEvent, Node
+from scheduler_service.db.models import Allocation, GpuSlot, Job, JobEvent, Node
 from scheduler_service.dispatch.repository import AllocationRepository
+from scheduler_service.exceptions import NotAllowed, UnknownNode
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, transition
 from scheduler_service.nodes.repository import NodeRepository
+from scheduler_service.nodes.secrets import NodeSecrets
 from worker_agent.protocol import Heartbeat, HeartbeatAck, NodeRegistration
-
-
-class UnknownNode(Exception):
-    """A heartbeat from a node the scheduler does not know (it must register again)."""
 
 
 @dataclass(frozen=True)
 class RegistrationResult:
-    """The node row and whether it is new."""
+    """The node row, whether it is new, and the scheduler's new secret toward its agent."""
 
     node: Node
     created: bool
+    agent_secret: str
 
 
-def register_node(session: Session, registration: NodeRegistration) -> RegistrationResult:
-    """Create or refresh a node and its slots; a returning node is reconciled, not duplicated."""
+def check_speaks_for(principal: Principal, node_name: str) -> None:
+    """A node credential speaks only for the node it is named after (403 otherwise)."""
+    if principal.name != node_name:
+        raise NotAllowed(
+            f"this agent token is the credential of node {principal.name!r}, not of "
+            f"{node_name!r}; each node needs its own (`greenflow node enrol {node_name}`)"
+        )
+
+
+def register_node(
+    session: Session,
+    principal: Principal,
+    registration: NodeRegistration,
+    node_secrets: NodeSecrets,
+) -> RegistrationResult:
+    """Create or refresh a node and its slots; a returning node is reconciled, not duplicated.
+
+    Only the node's own credential may (re-)register it, and every registration draws a new
+    secret toward the agent, so an earlier secret stops working."""
+    check_speaks_for(principal, registration.name)
     repo = NodeRepository(session)
     now = utcnow()
     node = repo.by_name(registration.name)
@@ -42,9 +62,12 @@ def register_node(session: Session, registration: NodeRegistration) -> Registrat
     else:
         existing = {slot.index: slot for slot in node.slots}
     node.agent_url = registration.agent_url
-    node.agent_secret = registration.agent_secret
+    node.agent_secret_nonce = node_secrets.new_nonce()
+    node.secret_key_id = node_secrets.key_id
     node.gpu_kind = registration.gpu_kind
     node.simulated = registration.simulated
+    node.rendezvous_host = registration.rendezvous_host
+    node.worker_host_port = registration.worker_host_port
     node.state = "ready"
     node.last_heartbeat_at = now
     offered = {slot.index for slot in registration.slots}
@@ -67,7 +90,22 @@ def register_node(session: Session, registration: NodeRegistration) -> Registrat
     # A returning node keeps what the database places on it; its next heartbeat says what
     # really runs there, and heartbeat() reconciles the two.
     session.flush()
-    return RegistrationResult(node, created)
+    secret = node_secrets.agent_secret(node.id, node.name, node.agent_secret_nonce)
+    return RegistrationResult(node, created, secret)
+
+
+def revoke_node(session: Session, name: str) -> int:
+    """Revoke a node's credential and take it out of service now (its jobs go back to the
+    queue); returns how many credentials were revoked."""
+    revoked = 0
+    for token in TokenRepository(session).active_by_name(name, Role.AGENT.value):
+        token.revoked_at = utcnow()
+        revoked += 1
+    node = NodeRepository(session).by_name(name)
+    if node is not None and node.state != "lost":
+        node.state = "lost"
+        requeue_jobs_of_node(session, node, reason=f"node {name}'s credential was revoked")
+    return revoked
 
 
 def requeue_jobs_of_node(session: Session, node: Node, *, reason: str) -> list[int]:
@@ -90,6 +128,18 @@ def _requeue_job(session: Session, job_id: int, reason: str) -> None:
         _requeue(jobs, job, reason)
 
 
+def _placed_here(latest: Allocation | None, job_id: int, node_id: int, held: set[int]) -> bool:
+    # The command that failed to start it may have been refused, its slots moved on since.
+    return job_id in held or (latest is not None and latest.node_id == node_id)
+
+
+def _fail_job(session: Session, job: Job, reason: str) -> None:
+    NodeRepository(session).release_job(job.id)
+    job.current_gpus = 0
+    job.current_layout = None
+    JobRepository(session).add_event(transition(job, JobState.FAILED, reason=reason[:2000]))
+
+
 def _requeue(jobs: JobRepository, job: Job, reason: str) -> None:
     job.current_gpus = 0
     job.current_layout = None
@@ -100,54 +150,83 @@ def _requeue(jobs: JobRepository, job: Job, reason: str) -> None:
 
 
 def heartbeat(
-    session: Session, name: str, beat: Heartbeat, *, grace_s: float = 15.0
+    session: Session,
+    principal: Principal,
+    name: str,
+    beat: Heartbeat,
+    *,
+    key_id: str,
+    grace_s: float = 15.0,
 ) -> HeartbeatAck:
     """Record a heartbeat; tell the agent which of its jobs the scheduler no longer wants."""
+    check_speaks_for(principal, name)
     repo = NodeRepository(session)
     node = repo.by_name(name)
-    if node is None or node.state == "lost":
-        # A lost node must register again so the database view is rebuilt from scratch.
+    if node is None or node.state == "lost" or node.secret_key_id != key_id:
+        # A lost node must register again so the database view is rebuilt from scratch; one
+        # registered under another scheduler key (or before secrets were derived) must draw a
+        # secret this scheduler can present.
         raise UnknownNode(name)
     now = utcnow()
     node.last_heartbeat_at = now
-    jobs = JobRepository(session)
-    stop: list[int] = []
     held = {slot.job_id for slot in node.slots if slot.job_id is not None}
     # Jobs the agent accounts for: running, paused, or finished (its last telemetry completes them).
     reported = {running.job_id for running in beat.jobs if running.gpus > 0 or running.finished}
-    allocations = AllocationRepository(session)
+    missing = sorted(held - reported)
+    # Every job the beat names or the node holds, and the newest command of each, in two
+    # queries however many jobs the node runs (one per job made 256 nodes' beats a tick's load).
+    wanted = sorted({running.job_id for running in beat.jobs} | set(missing))
+    jobs = JobRepository(session)
+    jobs_by_id = jobs.get_many(wanted)
+    latest = AllocationRepository(session).newest_by_job(wanted) if wanted else {}
+    stop: list[int] = []
     for running in beat.jobs:
-        job = jobs.get(running.job_id)
+        job = jobs_by_id.get(running.job_id)
         if job is None or JobState(job.state) in TERMINAL_STATES:
+            stop.append(running.job_id)
+            continue
+        command = latest.get(running.job_id)
+        if running.job_error and _placed_here(command, running.job_id, node.id, held):
+            # The job's own code is broken: it would fail on every node, so it ends here.
+            _fail_job(session, job, f"the job's code failed on node {node.name}: {running.error}")
+            held.discard(running.job_id)
             stop.append(running.job_id)
             continue
         if running.job_id in held:
             continue
         # Not placed here: stop it only once the scheduler's command that moved it elsewhere
         # is acknowledged there (a command in flight may still be on its way to this agent).
-        latest = allocations.latest(running.job_id)
         if (
-            latest is not None
-            and latest.status == "acked"
-            and latest.gpus > 0
-            and latest.node_id != node.id
+            command is not None
+            and command.status == "acked"
+            and command.gpus > 0
+            and command.node_id != node.id
         ):
             stop.append(running.job_id)
     # The database places these jobs here; if the agent no longer runs them (it restarted, or
-    # a worker died) and no command to it is in flight, they go back to the planner.
-    for job_id in sorted(held - reported):
-        latest = allocations.latest(job_id)
+    # a worker died) and no command to it is in flight, they go back to the planner. A command
+    # it refused (say, the job failed there while the command was on its way) is not in flight
+    # either.
+    errors = {running.job_id: running.error for running in beat.jobs if running.error}
+    for job_id in missing:
+        command = latest.get(job_id)
         if (
-            latest is not None
-            and latest.status == "acked"
-            and latest.gpus > 0
-            and latest.node_id == node.id
+            command is not None
+            and command.status in ("acked", "rejected")
+            and command.gpus > 0
+            and command.node_id == node.id
         ):
-            _requeue_job(
-                session,
-                job_id,
-                f"not running on node {node.name} any more (agent restarted or job failed there)",
-            )
+            repo.release_job(job_id)
+            job = jobs_by_id.get(job_id)
+            if job is not None and JobState(job.state) not in TERMINAL_STATES:
+                _requeue(
+                    jobs,
+                    job,
+                    f"not running on node {node.name} any more: {errors[job_id]}"
+                    if job_id in errors
+                    else f"not running on node {node.name} any more (agent restarted or job "
+                    "failed there)",
+                )
     return HeartbeatAck(stop_job_ids=sorted(set(stop)))
 
 

@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Literal, cast
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from energy_model.carbon.series import load_intensity_csv
@@ -22,10 +29,21 @@ from scheduler_service.simulate.engine import (
     SimulationError,
     SimulationReport,
     WatchdogModel,
+    run_budget_periods,
     simulate_trace,
 )
-from scheduler_service.simulate.trace import TraceError, deadlines_beyond_horizon, load_trace
+from scheduler_service.simulate.trace import (
+    TraceError,
+    TraceJob,
+    deadlines_beyond_horizon,
+    load_trace,
+)
 
+# The default horizon covers the trace's deadlines within these bounds: 48 slots was the fixed
+# default before; 192 keeps one tick's solve within a few times that (the greedy is linear in
+# the slots), and a longer reach is a coarser --slot-s (docs/allocation.md, "Simulator").
+MIN_AUTO_HORIZON_SLOTS = 48
+MAX_AUTO_HORIZON_SLOTS = 192
 DEFAULT_PROFILES = (
     Path(__file__).resolve().parents[2].parent
     / "shared"
@@ -87,6 +105,11 @@ def report_table(report: SimulationReport) -> Table:
     rows = [
         ("jobs (admitted / finished)", f"{report.jobs} ({report.admitted} / {report.finished})"),
         ("deadline met", f"{report.deadline_met_ratio:.1%} of {report.deadline_jobs}"),
+        (
+            "admitted deadlines missed (lateness sum / max)",
+            f"{report.admitted_missed} ({report.admitted_lateness_s['sum']:,.0f} s"
+            f" / {report.admitted_lateness_s['max']:,.0f} s)",
+        ),
         ("average JCT (finished jobs)", fmt(report.avg_jct_s, " s")),
         ("average JCT (all admitted, unfinished to the end)", fmt(report.avg_jct_all_s, " s")),
         ("p95 JCT", fmt(report.p95_jct_s, " s")),
@@ -143,8 +166,15 @@ def simulate(
     ] = None,
     slot_s: Annotated[float, typer.Option("--slot-s", help="Slot length in seconds.")] = 900.0,
     horizon_slots: Annotated[
-        int, typer.Option("--horizon-slots", help="Slots the planner looks ahead.")
-    ] = 48,
+        int | None,
+        typer.Option(
+            "--horizon-slots",
+            help=(
+                "Slots the planner looks ahead (default: enough to cover the trace's farthest"
+                f" deadline, {MIN_AUTO_HORIZON_SLOTS}-{MAX_AUTO_HORIZON_SLOTS} slots)."
+            ),
+        ),
+    ] = None,
     carbon_price: Annotated[
         float,
         typer.Option(
@@ -171,6 +201,29 @@ def simulate(
     forecast_error: Annotated[
         float, typer.Option("--forecast-error", help="Relative std of forecast noise.")
     ] = 0.0,
+    forecast_noise: Annotated[
+        str,
+        typer.Option(
+            "--forecast-noise",
+            help=(
+                "flat: --forecast-error is a relative std at every horizon; measured: our"
+                " forecaster's measured spread per horizon hour, times --forecast-error."
+            ),
+        ),
+    ] = "flat",
+    forecast_quantile: Annotated[
+        float | None,
+        typer.Option(
+            "--forecast-quantile",
+            help=(
+                "Under a hard budget plan with this quantile (0.5-0.99) of the intensity per slot,"
+                " from the --forecast-error noise, as the service plans with its forecaster's"
+                " measured error (default: the noisy forecast itself)."
+            ),
+            min=0.5,
+            max=0.99,
+        ),
+    ] = None,
     model_error: Annotated[
         float, typer.Option("--model-error", help="Relative std of throughput/power model error.")
     ] = 0.0,
@@ -224,6 +277,16 @@ def simulate(
             ),
         ),
     ] = None,
+    no_watchdog: Annotated[
+        bool,
+        typer.Option(
+            "--no-watchdog",
+            help=(
+                "No budget watchdog at all: steps run as planned whatever they spend, so a hard"
+                " budget holds only as far as the plans keep it."
+            ),
+        ),
+    ] = False,
     limit: Annotated[
         int | None, typer.Option("--limit", help="Replay only the first N jobs of the trace.")
     ] = None,
@@ -241,6 +304,8 @@ def simulate(
         )
     if budget_period not in ("day", "week", "run"):
         raise typer.BadParameter("must be day, week or run", param_hint="--budget-period")
+    if forecast_noise not in ("flat", "measured"):
+        raise typer.BadParameter("must be flat or measured", param_hint="--forecast-noise")
     if elasticflow_overhead and not elasticflow_events:
         raise typer.BadParameter(
             "needs --elasticflow-events: ElasticFlow charges its overhead once per merged"
@@ -248,7 +313,15 @@ def simulate(
             param_hint="--elasticflow-overhead",
         )
     watchdog = parse_watchdog(watchdog_check_s, watchdog_telemetry_s, watchdog_tick_s, budget_kg)
+    if no_watchdog and watchdog is not None:
+        raise typer.BadParameter(
+            "cannot be combined with the --watchdog-* flags", param_hint="--no-watchdog"
+        )
     nodes, per_node = parse_cluster(cluster)
+    if horizon_slots is not None and horizon_slots < 1:
+        raise typer.BadParameter(
+            f"must be at least 1; got {horizon_slots}", param_hint="--horizon-slots"
+        )
     profile_dir = profiles or DEFAULT_PROFILES
     if profiles is None and not DEFAULT_PROFILES.is_dir():
         # The default is the shared data checkout beside the source tree; an installed copy
@@ -260,6 +333,8 @@ def simulate(
         )
     try:
         trace = load_trace(jobs, limit=limit)
+        if horizon_slots is None:
+            horizon_slots = auto_horizon_slots(trace, slot_s)
         series = load_intensity_csv(carbon)
         tables = load_scaling_profiles(profile_dir)
         config = SimulationConfig(
@@ -274,11 +349,14 @@ def simulate(
             switch_s=switch_s,
             deadline_margin_s=deadline_margin_s,
             best_effort=best_effort,
+            forecast_noise=cast(Literal["flat", "measured"], forecast_noise),
             forecast_error=forecast_error,
+            forecast_quantile=forecast_quantile,
             model_error=model_error,
             elasticflow_events=elasticflow_events,
             elasticflow_overhead=elasticflow_overhead,
             watchdog=watchdog,
+            ideal_watchdog=not no_watchdog,
             time_limit_s=time_limit_s,
             seed=seed,
         )
@@ -289,32 +367,58 @@ def simulate(
     if beyond:
         typer.echo(
             f"warning: {beyond} of {len(trace)} jobs have a deadline further off than the "
-            f"{slot_s * horizon_slots / 3600:g} h planning horizon; admission assumes they run "
-            "at full speed after it, so deadline figures are not directly comparable with "
-            "ElasticFlow's simulator (raise --horizon-slots to cover them)",
+            f"{slot_s * horizon_slots / 3600:g} h planning horizon ({horizon_slots} slots of "
+            f"{slot_s:g} s); past it the plans let each run alone at full speed (admission only"
+            " checks that their work fits the cluster's GPU-seconds there), so deadline "
+            "figures are not directly comparable with ElasticFlow's simulator: raise "
+            "--horizon-slots, or --slot-s for a longer reach at the same solve cost",
             err=True,
         )
     console = Console(stderr=True)
+    began = time.perf_counter()
+    _, span_s, _ = run_budget_periods(config, trace)
     with Progress(
         TextColumn("[bold]simulating"),
         BarColumn(),
         TextColumn("{task.percentage:>5.1f}%"),
+        TextColumn("{task.fields[simulated]}"),
         TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
         console=console,
         transient=True,
+        # Off when stderr is not a terminal (a pipe or a log file gets no control codes).
+        disable=not console.is_terminal,
     ) as bar:
-        task = bar.add_task("replay", total=1.0)
-        try:
-            report = simulate_trace(
-                trace, series, tables, config, progress=lambda f: bar.update(task, completed=f)
+        task = bar.add_task("replay", total=1.0, simulated="")
+
+        def show(fraction: float) -> None:
+            simulated_h = fraction * span_s / 3600
+            bar.update(
+                task,
+                completed=fraction,
+                simulated=f"{simulated_h:,.1f} of {span_s / 3600:,.1f} simulated h",
             )
+
+        try:
+            report = simulate_trace(trace, series, tables, config, progress=show)
         except (TraceError, SimulationError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
+    wall_s = time.perf_counter() - began
     Console().print(report_table(report))
     payload = {
         **report.summary(),
+        "wall_s": round(wall_s, 3),
         "jobs_detail": [o.__dict__ for o in report.outcomes],
         "config": asdict(config),
     }
     out.write_text(json.dumps(payload, indent=2, default=str))
+
+
+def auto_horizon_slots(trace: list[TraceJob], slot_s: float) -> int:
+    """Slots that cover the trace's farthest deadline from its submission, within
+    [MIN_AUTO_HORIZON_SLOTS, MAX_AUTO_HORIZON_SLOTS] (the solve's cost grows with the slots)."""
+    windows = [j.deadline_s - j.submission_s for j in trace if j.deadline_s is not None]
+    need = math.ceil(max(windows, default=0.0) / slot_s)
+    return int(min(MAX_AUTO_HORIZON_SLOTS, max(MIN_AUTO_HORIZON_SLOTS, need)))

@@ -20,22 +20,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import cached_property
+from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
 
 from energy_model.carbon.series import IntensitySeries
+from energy_model.carbon.skill import PRIOR_QUANTILE, PRIOR_UPPER_LOG_ERROR_Q80
 from energy_model.emissions import energy_kwh, facility_energy_kwh, interval_emissions_kg
 from energy_model.profiles import ScalingProfile
+from scheduler_service.allocation.admission import admit, after_horizon_overcommitted
 from scheduler_service.allocation.policies import ADMISSION_CONTROL, UnknownPolicy, get_policy
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
     BudgetMode,
-    BudgetPeriod,
     JobSpec,
 )
-from scheduler_service.allocation.solver import admit
+from scheduler_service.allocation.snapshot import (
+    BudgetWindow,
+    ClusterSnapshot,
+    PlannableJob,
+    ProblemKnobs,
+    build_problem,
+    plan_job,
+)
 from scheduler_service.settings import ClusterConfig, PlannerConfig, default_budget_check_s
 from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 from scheduler_service.simulate.watchdog import RealisticWatchdog
@@ -94,7 +103,17 @@ class SimulationConfig:
     # Deadline jobs that admission cannot guarantee run without a guarantee instead of being
     # rejected (every job then finishes: the fair basis for comparing JCT).
     best_effort: bool = False
-    forecast_error: float = 0.0  # relative std of the multiplicative forecast noise
+    # "flat": forecast = actual x N(1, forecast_error) per trace hour, at every horizon (the
+    # current hour included). "measured": ln(actual / forecast) is normal with our forecaster's
+    # spread at the slot's horizon hour (energy_model.carbon.skill's prior: 2.5 % at 1 h to
+    # 11.7 % at 24 h) times `forecast_error` (1.0: as measured), one draw per trace hour scaled
+    # by the horizon, so an hour's error shrinks (same sign) as it comes closer.
+    forecast_noise: Literal["flat", "measured"] = "flat"
+    forecast_error: float = 0.0  # flat: relative std; measured: scale of the measured spread
+    # Under a hard budget, plan with this quantile of the intensity per slot instead of the noisy
+    # forecast itself, as the service plans with its forecaster's measured error
+    # (`forecast_upper_factor`); None: the forecast itself.
+    forecast_quantile: float | None = None
     model_error: float = 0.0  # relative std of the per-job throughput/power misestimate
     time_limit_s: float = 2.0
     seed: int = 0
@@ -112,6 +131,9 @@ class SimulationConfig:
     # The service's budget watchdog as it runs (discrete checks, telemetry lag, tick latency);
     # None: the ideal one, which cuts a step exactly where the real spend reaches the budget.
     watchdog: WatchdogModel | None = None
+    # False (with no `watchdog`): no budget watchdog at all, a step runs as planned whatever it
+    # spends, so a hard budget holds only as far as the plans keep it (bench/budget_uncertainty.py).
+    ideal_watchdog: bool = True
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -132,6 +154,8 @@ class SimulationConfig:
             raise SimulationError("deadline_margin_s must be >= 0")
         if self.forecast_error < 0 or self.model_error < 0:
             raise SimulationError("forecast_error and model_error must be >= 0")
+        if self.forecast_quantile is not None and not 0.5 <= self.forecast_quantile < 1.0:
+            raise SimulationError("forecast_quantile must be in [0.5, 1)")
         if self.watchdog is not None and self.budget_kg is None:
             raise SimulationError("a watchdog model needs a budget: it only watches a hard budget")
         try:
@@ -235,6 +259,11 @@ class JobOutcome:
     energy_kwh: float
     emissions_kg: float
     reject_reason: str = ""
+    # Admitted with a promise to meet its deadline (not best-effort).
+    guaranteed: bool = False
+    # Seconds past its deadline a guaranteed job finished (or, unfinished, was when the replay
+    # stopped: a lower bound); None for jobs without a promise, 0.0 for a promise kept.
+    lateness_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -272,9 +301,13 @@ class SimulationReport:
     solver_s_p95: float
     solver_s_max: float
     makespan_s: float
+    # Promises broken: jobs admitted with a guaranteed deadline that finished after it (or not
+    # at all), and by how much ({"sum", "max"} in seconds; unfinished ones count to the stop).
+    admitted_missed: int = 0
+    admitted_lateness_s: dict[str, float] = field(default_factory=lambda: {"sum": 0.0, "max": 0.0})
     outcomes: list[JobOutcome] = field(default_factory=list, repr=False)
 
-    def summary(self) -> dict[str, float | int | str | None]:
+    def summary(self) -> dict[str, float | int | str | dict[str, float] | None]:
         """The report without the per-job outcomes (JSON-ready)."""
         return {k: v for k, v in self.__dict__.items() if k != "outcomes"}
 
@@ -343,7 +376,7 @@ def simulate_trace(
     start_s, run_span_s, periods = run_budget_periods(config, jobs)
     spent_kg = [0.0] * len(periods)
     periods_in_span = len(periods)
-    period_share_kg = periods[0][2] if periods else 0.0
+    period_share_kg = periods[0].budget_kg if periods else 0.0
 
     states: dict[str, _JobState] = {}
     pending = list(jobs)
@@ -396,10 +429,17 @@ def simulate_trace(
                     continue
                 decision = admit(
                     _problem(config, clock, states, active, now, periods, spent_kg),
-                    replace(_spec(state, now, config.margin_s), best_effort=config.best_effort),
+                    plan_job(
+                        replace(
+                            _plannable(state, now),
+                            best_effort=config.best_effort or job.best_effort,
+                        ),
+                        _knobs(config, periods),
+                    ),
                     time_limit_s=config.time_limit_s,
                     seed=config.seed,
                     policy=policy,
+                    previous=previous,
                 )
                 state.admitted = decision.admitted
                 state.guaranteed = decision.guaranteed
@@ -414,7 +454,7 @@ def simulate_trace(
             active.append(job.job_id)
         if batch:
             batch_plan = _admit_batch(
-                config, policy, clock, states, active, now, periods, spent_kg, batch
+                config, policy, clock, states, active, now, periods, spent_kg, batch, previous
             )
             if batch_plan is not None:
                 previous = batch_plan
@@ -484,14 +524,14 @@ def simulate_trace(
                 if not config.elasticflow_events:
                     step_s = min(step_s, need_s)
         step_s = max(step_s, 1e-3)
-        if watchdog is None:
+        if watchdog is None and config.ideal_watchdog:
             # The ideal budget watchdog: real power (not the plan's model of it) reaching the
             # period's budget stops the step there, and the next plan sees the budget spent.
             cut_s = budget_cut_s(clock, periods, spent_kg, now, step_s, runs)
             if cut_s < step_s:
                 budget_cuts += 1
                 step_s = max(cut_s, 1e-3)
-        else:
+        elif watchdog is not None:
             # The service's watchdog as it runs: checks, telemetry lag, a tick's latency.
             current = _current_period(periods, now)
             step_s = watchdog.step_s(
@@ -560,7 +600,7 @@ def simulate_trace(
 
 def run_budget_periods(
     config: SimulationConfig, jobs: list[TraceJob]
-) -> tuple[float, float, list[tuple[float, float, float]]]:
+) -> tuple[float, float, list[BudgetWindow]]:
     """(start_s, span_s, budget periods) of a replay of `jobs`: the trace's span sets the periods."""
     start_s = jobs[0].submission_s
     last_s = max(
@@ -570,23 +610,23 @@ def run_budget_periods(
     return start_s, span_s, _budget_periods(config, start_s, span_s)
 
 
-def _budget_periods(
-    config: SimulationConfig, start_s: float, span_s: float
-) -> list[tuple[float, float, float]]:
+def _budget_periods(config: SimulationConfig, start_s: float, span_s: float) -> list[BudgetWindow]:
     """(start_s, end_s, budget_kg) per period in trace seconds; empty when unlimited."""
     if config.budget_kg is None:
         return []
     if config.budget_period == "run":
-        return [(start_s, math.inf, config.budget_kg)]
+        return [BudgetWindow(start_s, math.inf, config.budget_kg)]
     length = PERIOD_S[config.budget_period]
     count = max(1, math.ceil(span_s / length))
     share = config.budget_kg / count
-    return [(start_s + i * length, start_s + (i + 1) * length, share) for i in range(count)]
+    return [
+        BudgetWindow(start_s + i * length, start_s + (i + 1) * length, share) for i in range(count)
+    ]
 
 
 def _allowance(
     config: SimulationConfig,
-    periods: list[tuple[float, float, float]],
+    periods: list[BudgetWindow],
     periods_in_span: int,
     end_s: float,
 ) -> tuple[float | None, int]:
@@ -594,52 +634,52 @@ def _allowance(
     if config.budget_kg is None:
         return None, 0
     extra = periods[periods_in_span:]
-    reached = [share for begin, _, share in extra if begin < end_s - 1e-9]
+    reached = [w.budget_kg for w in extra if w.start_s < end_s - 1e-9]
     return config.budget_kg + sum(reached), len(reached)
 
 
 def _extend_periods(
     config: SimulationConfig,
-    periods: list[tuple[float, float, float]],
+    periods: list[BudgetWindow],
     spent: list[float],
     share_kg: float,
     until_s: float,
 ) -> None:
     """Past the trace's span each further period gets the same share, so work left over
     finishes at the same carbon rate instead of stalling on a spent last period."""
-    if not periods or not math.isfinite(periods[-1][1]):
+    if not periods or not math.isfinite(periods[-1].end_s):
         return
     length = PERIOD_S[config.budget_period]
-    while periods[-1][1] < until_s:
-        begin = periods[-1][1]
-        periods.append((begin, begin + length, share_kg))
+    while periods[-1].end_s < until_s:
+        begin = periods[-1].end_s
+        periods.append(BudgetWindow(begin, begin + length, share_kg))
         spent.append(0.0)
 
 
 def _charge(
-    periods: list[tuple[float, float, float]],
+    periods: list[BudgetWindow],
     spent: list[float],
     at_s: float,
     run_s: float,
     kg: float,
 ) -> None:
-    for i, (begin, end, _) in enumerate(periods):
-        overlap = min(end, at_s + run_s) - max(begin, at_s)
+    for i, window in enumerate(periods):
+        overlap = min(window.end_s, at_s + run_s) - max(window.start_s, at_s)
         if overlap > 0 and run_s > 0:
             spent[i] += kg * overlap / run_s
 
 
-def _current_period(periods: list[tuple[float, float, float]], now: float) -> int | None:
+def _current_period(periods: list[BudgetWindow], now: float) -> int | None:
     """Index of the budget period that holds `now` (None: unlimited)."""
     return next(
-        (i for i, (begin, end, _) in enumerate(periods) if begin <= now < end and end > begin),
+        (i for i, w in enumerate(periods) if w.start_s <= now < w.end_s and w.end_s > w.start_s),
         None,
     )
 
 
 def budget_cut_s(
     clock: CarbonClock,
-    periods: list[tuple[float, float, float]],
+    periods: list[BudgetWindow],
     spent_kg: list[float],
     now: float,
     step_s: float,
@@ -655,7 +695,7 @@ def budget_cut_s(
     current = _current_period(periods, now)
     if current is None or not runs:
         return step_s
-    _, end, share_kg = periods[current]
+    end, share_kg = periods[current].end_s, periods[current].budget_kg
     left_kg = share_kg - spent_kg[current]
 
     def charged_kg(span_s: float) -> float:
@@ -692,9 +732,10 @@ def _admit_batch(
     states: dict[str, _JobState],
     active: list[str],
     now: float,
-    periods: list[tuple[float, float, float]],
+    periods: list[BudgetWindow],
     spent_kg: list[float],
     batch: list[str],
+    previous: AllocationPlan | None = None,
 ) -> AllocationPlan | None:
     """Admit the deadline jobs of `batch` together or not at all (ElasticFlow's admission).
 
@@ -703,19 +744,27 @@ def _admit_batch(
     problem = _problem(config, clock, states, active, now, periods, spent_kg)
     limit_s = config.time_limit_s / 2
     met_before: set[str] = set()
+    crowded_before: set[str] = set()
     if problem.jobs:
-        base = policy(problem, previous=None, time_limit_s=limit_s, seed=config.seed)
+        # Warm from the plan in force, and its kept deadlines are promises too (as in `admit`).
+        base = policy(problem, previous=previous, time_limit_s=limit_s, seed=config.seed)
         met_before = {k for k, v in base.deadline_met.items() if v}
-    specs = [_spec(states[j], now, config.margin_s) for j in batch]
+        if previous is not None:
+            met_before |= {k for k, v in previous.deadline_met.items() if v and k in active}
+        crowded_before = set(after_horizon_overcommitted(problem, base.gpus))
+    knobs = _knobs(config, periods)
+    specs = [plan_job(_plannable(states[j], now), knobs) for j in batch]
     trial = replace(problem, jobs=(*problem.jobs, *specs))
-    plan = policy(trial, previous=None, time_limit_s=limit_s, seed=config.seed)
-    late = [j for j in batch if not plan.deadline_met.get(j, False)]
-    broken = [k for k in met_before if not plan.deadline_met.get(k, False)]
+    plan = policy(trial, previous=previous, time_limit_s=limit_s, seed=config.seed)
+    # After the horizon the plan lets each job run alone at full speed: together they must fit.
+    crowded = set(after_horizon_overcommitted(trial, plan.gpus)) - crowded_before
+    late = [j for j in batch if not plan.deadline_met.get(j, False) or j in crowded]
+    broken = [k for k in met_before if not plan.deadline_met.get(k, False) or k in crowded]
     admitted = False
     for job_id in batch:
         state = states[job_id]
         state.guaranteed = not late and not broken
-        state.admitted = state.guaranteed or config.best_effort
+        state.admitted = state.guaranteed or config.best_effort or state.trace.best_effort
         if not state.admitted:
             why = (
                 f"no plan meets the deadlines of {', '.join(late[:3])}"
@@ -749,38 +798,57 @@ def _new_state(
     return _JobState(trace=job, tables=tables, seen=seen, remaining_samples=job.total_samples)
 
 
-def _spec(state: _JobState, now: float, margin_s: float) -> JobSpec:
+def _plannable(state: _JobState, now: float) -> PlannableJob:
+    """What the policy believes of a job at `now` (a deadline only while it is guaranteed)."""
     job = state.trace
-    deadline = None
-    if job.deadline_s is not None and state.guaranteed:
-        deadline = job.deadline_s - now
-        # The margin only while the job can still make the earlier deadline at full speed: a
-        # policy that sees a deadline as lost stops favouring the job, so a margin that turned
-        # a just-meetable deadline into a "missed" one would cause the very miss it guards.
-        fastest_s = state.remaining_samples / max(state.seen.throughput_samples_per_s)
-        if deadline - margin_s >= fastest_s:
-            deadline -= margin_s
-    return JobSpec(
+    remaining = state.remaining_samples
+    if state.stall_s > 0 and state.current_gpus > 0:
+        # The rest of a switch cut short by an event is owed at the next step: as work at the
+        # count it runs at, so plans count it.
+        k = state.seen.allowed_gpus.index(state.current_gpus)
+        remaining += state.stall_s * state.seen.throughput_samples_per_s[k]
+    return PlannableJob(
         job_id=job.job_id,
         allowed_gpus=state.seen.allowed_gpus,
         throughput_samples_per_s=state.seen.throughput_samples_per_s,
         power_w=state.seen.power_w,
-        remaining_samples=state.remaining_samples,
-        deadline_s=deadline,
+        remaining_samples=remaining,
+        deadline_s=(
+            job.deadline_s - now if job.deadline_s is not None and state.guaranteed else None
+        ),
         current_gpus=state.current_gpus,
         requested_gpus=job.num_gpu,
+        started=state.started,
     )
 
 
-def _problem(
+def _knobs(config: SimulationConfig, periods: list[BudgetWindow]) -> ProblemKnobs:
+    return ProblemKnobs(
+        budget_mode=BudgetMode.HARD if periods else BudgetMode.SOFT,
+        carbon_price_s_per_kg=config.carbon_price_s_per_kg,
+        # A change stalls the job for switch_s: that is what it costs in completion time.
+        change_cost_s=config.switch_s,
+        deadline_margin_s=config.margin_s,
+        # Plans count the stalls (issue 23: a promise kept just in time was lost to them).
+        switch_stall_s=config.switch_s,
+    )
+
+
+def _spec(state: _JobState, now: float, margin_s: float) -> JobSpec:
+    """The solver's view of one job at `now`, its deadline `margin_s` early (the builder's rule)."""
+    return plan_job(_plannable(state, now), ProblemKnobs(deadline_margin_s=margin_s))
+
+
+def _snapshot(
     config: SimulationConfig,
     clock: CarbonClock,
     states: dict[str, _JobState],
     active: list[str],
     now: float,
-    periods: list[tuple[float, float, float]],
+    periods: list[BudgetWindow],
     spent_kg: list[float],
-) -> AllocationProblem:
+) -> ClusterSnapshot:
+    """The replay's world at `now` as the policy sees it (forecast and model error applied)."""
     slots = config.horizon_slots
     slot_s = config.slot_s
     intensity = [
@@ -792,32 +860,85 @@ def _problem(
         noisy = []
         for t, value in enumerate(intensity):
             key = int((now + t * slot_s) // 3600) + 7919 * config.seed
-            err = np.random.default_rng(key).normal(1.0, config.forecast_error)
-            noisy.append(max(0.0, value * err))
+            draw = np.random.default_rng(key).normal(0.0, 1.0)
+            if config.forecast_noise == "flat":
+                noisy.append(max(0.0, value * (1.0 + config.forecast_error * draw)))
+            else:
+                sigma = config.forecast_error * measured_log_std(_horizon_h(t, slot_s))
+                noisy.append(value * math.exp(-sigma * draw))
         intensity = noisy
+        if config.forecast_quantile is not None and periods:
+            # A hard budget plans with the upper quantile (the service's rule, `planning.py`).
+            intensity = [
+                value
+                * forecast_upper_factor(config, config.forecast_quantile, _horizon_h(t, slot_s))
+                for t, value in enumerate(intensity)
+            ]
     horizon_end = now + slots * slot_s
-    budget = tuple(
-        BudgetPeriod(
-            start_s=begin - now,
-            end_s=(end if math.isfinite(end) else horizon_end + slot_s) - now,
-            budget_left_kg=max(0.0, share - spent),
+    windows = tuple(
+        BudgetWindow(
+            start_s=w.start_s - now,
+            end_s=(w.end_s if math.isfinite(w.end_s) else horizon_end + slot_s) - now,
+            budget_kg=max(0.0, w.budget_kg - spent),
         )
-        for (begin, end, share), spent in zip(periods, spent_kg, strict=True)
-        if end > now and begin < horizon_end
+        for w, spent in zip(periods, spent_kg, strict=True)
+        if w.end_s > now and w.start_s < horizon_end
     )
-    return AllocationProblem(
+    return ClusterSnapshot(
         start_at=clock.origin + timedelta(seconds=now),
         slot_s=slot_s,
-        capacity_gpus=(config.capacity_gpus,) * slots,
+        num_slots=slots,
+        node_gpus=(config.gpus_per_node,) * config.num_nodes,
         intensity_g_per_kwh=tuple(intensity),
-        jobs=tuple(_spec(states[j], now, config.margin_s) for j in active),
+        jobs=tuple(_plannable(states[j], now) for j in active),
+        budget_windows=windows,
         pue=config.pue,
-        budget_periods=budget,
-        budget_mode=BudgetMode.HARD if periods else BudgetMode.SOFT,
-        carbon_price_s_per_kg=config.carbon_price_s_per_kg,
-        # A change stalls the job for switch_s: that is what it costs in completion time.
-        change_cost_s=max(config.switch_s, 1.0),
     )
+
+
+# The flat noise never reaches the quantile's pole (a noise of 1 / z_q or more).
+_MAX_UPPER_FACTOR = 20.0
+
+
+def measured_log_std(horizon_h: int) -> float:
+    """Std of ln(actual / forecast) of our forecaster at a horizon hour (1..24, later hours hold
+    24 h): its measured 80th percentile (`PRIOR_UPPER_LOG_ERROR_Q80`) read as a normal spread."""
+    index = min(max(horizon_h, 1), len(PRIOR_UPPER_LOG_ERROR_Q80)) - 1
+    return PRIOR_UPPER_LOG_ERROR_Q80[index] / NormalDist().inv_cdf(PRIOR_QUANTILE)
+
+
+def _horizon_h(slot: int, slot_s: float) -> int:
+    """The horizon hour a slot starts in (the slot starting now: 1 h, the shortest measured)."""
+    return int(slot * slot_s // 3600) + 1
+
+
+def forecast_upper_factor(config: SimulationConfig, quantile: float, horizon_h: int = 1) -> float:
+    """The `quantile` of actual / forecast under the replay's forecast noise at a horizon hour:
+    actual exceeds forecast x this factor with probability 1 - quantile; floored at 1 (never plan
+    a cleaner grid than forecast).
+
+    Flat noise (forecast = actual x (1 + sigma Z)): P(actual > u x forecast) = P(1 + sigma Z < 1/u)
+    = 1 - quantile gives u = 1 / (1 - sigma z_q). Measured noise: u = exp(sigma_h z_q)."""
+    z = NormalDist().inv_cdf(quantile)
+    if config.forecast_noise == "measured":
+        return max(1.0, math.exp(config.forecast_error * measured_log_std(horizon_h) * z))
+    below = 1.0 - config.forecast_error * z
+    if below <= 1.0 / _MAX_UPPER_FACTOR:
+        return _MAX_UPPER_FACTOR
+    return max(1.0, 1.0 / below)
+
+
+def _problem(
+    config: SimulationConfig,
+    clock: CarbonClock,
+    states: dict[str, _JobState],
+    active: list[str],
+    now: float,
+    periods: list[BudgetWindow],
+    spent_kg: list[float],
+) -> AllocationProblem:
+    snapshot = _snapshot(config, clock, states, active, now, periods, spent_kg)
+    return build_problem(snapshot, _knobs(config, periods))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -828,7 +949,7 @@ def _report(
     config: SimulationConfig,
     jobs: list[TraceJob],
     states: dict[str, _JobState],
-    periods: list[tuple[float, float, float]],
+    periods: list[BudgetWindow],
     periods_in_span: int,
     spent_kg: list[float],
     solver_times: list[float],
@@ -846,12 +967,17 @@ def _report(
             continue
         jct = None if state.finish_s is None else state.finish_s - job.submission_s
         met = None
+        lateness = None
+        promised = job.deadline_s is not None and state.admitted and state.guaranteed
         if job.deadline_s is not None:
             met = (
                 state.admitted
                 and state.finish_s is not None
                 and state.finish_s <= job.deadline_s + 1e-6
             )
+            if promised:
+                end = stop_s if state.finish_s is None else state.finish_s
+                lateness = 0.0 if met else max(0.0, end - job.deadline_s)
         outcomes.append(
             JobOutcome(
                 job_id=job.job_id,
@@ -863,16 +989,18 @@ def _report(
                 energy_kwh=state.energy_kwh,
                 emissions_kg=state.emissions_kg,
                 reject_reason=state.reject_reason,
+                guaranteed=promised,
+                lateness_s=lateness,
             )
         )
+    broken = [o for o in outcomes if o.guaranteed and not o.deadline_met]
+    lateness_s = [o.lateness_s or 0.0 for o in broken]
     jcts = [o.jct_s for o in outcomes if o.jct_s is not None]
     by_id = {job.job_id: job for job in jobs}
     left = [o for o in outcomes if o.admitted and o.finish_s is None]
     jcts_all = jcts + [max(0.0, stop_s - by_id[o.job_id].submission_s) for o in left]
     with_deadline = [o for o in outcomes if o.deadline_met is not None]
-    overshoot = [
-        max(0.0, spent - share) for (_, _, share), spent in zip(periods, spent_kg, strict=True)
-    ]
+    overshoot = [max(0.0, spent - w.budget_kg) for w, spent in zip(periods, spent_kg, strict=True)]
     makespan = max(end_s - start_s, config.slot_s)
     allowance_kg, extra_periods = _allowance(config, periods, periods_in_span, end_s)
     return SimulationReport(
@@ -905,5 +1033,7 @@ def _report(
         solver_s_p95=_percentile(solver_times, 95),
         solver_s_max=max(solver_times, default=0.0),
         makespan_s=makespan,
+        admitted_missed=len(broken),
+        admitted_lateness_s={"sum": sum(lateness_s), "max": max(lateness_s, default=0.0)},
         outcomes=outcomes,
     )

@@ -20,6 +20,17 @@ TRACE_COLUMNS = (
     "num_gpu",
     "duration",
 )
+# Other names ElasticFlow's traces use for the same fields (its `jobs.py` reads them all):
+# `elasticVpollux_e.csv` has `submit_time, iteration, ddl`; `philly_103959.csv` has those plus
+# `real_iteration, real_duration`, which ElasticFlow does not read (it prefers `iteration`).
+COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
+    "submission_time": ("submission_time", "submit_time"),
+    "num_iteration": ("iteration", "num_iteration"),
+    "deadline": ("deadline", "ddl"),
+}
+# ElasticFlow writes sys.maxsize as the deadline of a best-effort job; any deadline this far
+# off (over a century) means none.
+NO_DEADLINE_S = 1e10
 
 
 class TraceError(ValueError):
@@ -38,6 +49,9 @@ class TraceJob:
     batch_size: int
     num_gpu: int
     duration_s: float
+    # Admitted without a guarantee when admission cannot promise its deadline (the job only asks
+    # to finish within its window), instead of being rejected.
+    best_effort: bool = False
 
     @property
     def total_samples(self) -> float:
@@ -45,8 +59,27 @@ class TraceJob:
         return float(self.num_iteration * self.batch_size)
 
 
+def _columns(path: Path, header: list[str]) -> dict[str, str]:
+    """Each field's column in this file (the first of its names the header has)."""
+    found: dict[str, str] = {}
+    missing: list[str] = []
+    for field_name in TRACE_COLUMNS:
+        names = COLUMN_ALIASES.get(field_name, (field_name,))
+        column = next((n for n in names if n in header), None)
+        if column is None:
+            missing.append(" or ".join(names))
+        else:
+            found[field_name] = column
+    if missing:
+        raise TraceError(f"{path}: missing columns {', '.join(missing)}")
+    return found
+
+
 def load_trace(path: Path, limit: int | None = None) -> list[TraceJob]:
-    """Read `job_id,submission_time,num_iteration,model_name,deadline,batch_size,num_gpu,duration`."""
+    """Read an ElasticFlow trace: `job_id, submission_time, num_iteration, model_name, deadline,
+    batch_size, num_gpu, duration`, or the same fields under ElasticFlow's other names
+    (`submit_time`, `iteration`, `ddl`: its `elasticVpollux_e.csv` and `philly_103959.csv`),
+    with an optional `best_effort` column (1: no deadline)."""
     if limit is not None and limit < 1:
         raise TraceError(f"--limit must be at least 1, got {limit}")
     if not path.is_file():
@@ -54,21 +87,24 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceJob]:
     jobs: list[TraceJob] = []
     with path.open(newline="") as handle:
         reader = csv.DictReader(handle)
-        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise TraceError(f"{path}: missing columns {', '.join(missing)}")
+        col = _columns(path, list(reader.fieldnames or []))
         for line_no, row in enumerate(reader, start=2):
             try:
-                deadline_text = (row["deadline"] or "").strip()
+                deadline_text = (row[col["deadline"]] or "").strip()
+                deadline = float(deadline_text) if deadline_text else None
+                if deadline is not None and deadline >= NO_DEADLINE_S:
+                    deadline = None
+                if (row.get("best_effort") or "0").strip() not in ("", "0"):
+                    deadline = None
                 job = TraceJob(
-                    job_id=row["job_id"].strip(),
-                    submission_s=float(row["submission_time"]),
-                    num_iteration=int(float(row["num_iteration"])),
-                    model_name=row["model_name"].strip(),
-                    deadline_s=float(deadline_text) if deadline_text else None,
-                    batch_size=int(float(row["batch_size"])),
-                    num_gpu=int(float(row["num_gpu"])),
-                    duration_s=float(row["duration"]),
+                    job_id=row[col["job_id"]].strip(),
+                    submission_s=float(row[col["submission_time"]]),
+                    num_iteration=int(float(row[col["num_iteration"]])),
+                    model_name=row[col["model_name"]].strip(),
+                    deadline_s=deadline,
+                    batch_size=int(float(row[col["batch_size"]])),
+                    num_gpu=int(float(row[col["num_gpu"]])),
+                    duration_s=float(row[col["duration"]]),
                 )
             except (ValueError, KeyError, AttributeError) as exc:
                 raise TraceError(f"{path}:{line_no}: {exc}") from exc
@@ -128,8 +164,9 @@ def job_tables(
 
 def deadlines_beyond_horizon(jobs: list[TraceJob], horizon_s: float) -> int:
     """Jobs whose deadline lies more than `horizon_s` after their submission."""
-    # Admission plans only to the horizon and assumes full speed after it (optimistic where the
-    # cluster is busy then); ElasticFlow plans to the deadline, so these jobs are where the two
+    # Plans reach only to the horizon and let each job run alone at full speed after it;
+    # admission checks only that the work left there fits the cluster's GPU-seconds
+    # (optimistic where the cluster is busy then); ElasticFlow plans to the deadline, so these jobs are where the two
     # simulators' admission can differ.
     return sum(
         1

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from scheduler_service.allocation.problem import AllocationPlan
+from scheduler_service.allocation.snapshot import BudgetWindow
+from scheduler_service.budget.periods import PeriodStatus
 from scheduler_service.budget.watchdog import SpendExpectation, replan_reason, watch_lead_s
-from scheduler_service.ledger import PeriodStatus
 
 # A budget period that never ends (`--budget-period run`) ends this far after the origin.
 _FOREVER = timedelta(days=365 * 1000)
@@ -58,7 +59,7 @@ class RealisticWatchdog:
     def step_s(
         self,
         plan: AllocationPlan,
-        period: tuple[float, float, float] | None,
+        period: BudgetWindow | None,
         spent_kg: float,
         now: float,
         step_s: float,
@@ -66,14 +67,13 @@ class RealisticWatchdog:
     ) -> float:
         """How long the step from `now` lasts: `step_s`, or less where a wake's stop ends it.
 
-        `plan` is the plan just made at `now`; `period` the current budget period (start_s,
-        end_s, budget kg) with `spent_kg` charged to it before `now` (None: no budget); `runs`
+        `plan` is the plan just made at `now`; `period` the current budget period with `spent_kg` charged to it before `now` (None: no budget); `runs`
         holds (real power_w, s until it finishes) per running job. The caller records what the
         step really ran with `ran`.
         """
         if period is None:
             return step_s
-        begin, end, share_kg = period
+        begin, end, share_kg = period.start_s, period.end_s, period.budget_kg
         # Each period is watched on its own: the step stops at its end, where the next plan
         # starts on the new budget (so no step is charged to two periods).
         step_s = min(step_s, end - now)

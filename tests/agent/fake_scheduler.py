@@ -7,6 +7,7 @@ fail (503 on telemetry, 404 on a heartbeat) to exercise the agent's retries.
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from worker_agent.protocol import (
     Heartbeat,
     HeartbeatAck,
+    NodePowerSample,
     NodeRegistered,
     NodeRegistration,
     TelemetryAck,
@@ -36,8 +38,14 @@ class FakeScheduler:
     heartbeat_interval_s: float = 0.5
     telemetry_interval_s: float = 0.5
     registrations: list[NodeRegistration] = field(default_factory=list)
+    secrets_issued: list[str] = field(default_factory=list)
+    """The agent secret handed out at each registration (the newest is in force)."""
     heartbeats: list[Heartbeat] = field(default_factory=list)
     samples: dict[str, TelemetrySample] = field(default_factory=dict)
+    node_power: dict[str, NodePowerSample] = field(default_factory=dict)
+    """Node power samples received, by sample_id."""
+    idle_power_per_gpu_w: float = 60.0
+    host_power_w: float = 150.0
     telemetry_posts: int = 0
     duplicates: int = 0
     unauthorized: int = 0
@@ -46,9 +54,16 @@ class FakeScheduler:
     forget_node: bool = False
     """Answer the next heartbeat with 404 (unknown node)."""
     stop_job_ids: list[int] = field(default_factory=list)
+    bundles: dict[str, bytes] = field(default_factory=dict)
+    """Workdir bundles by SHA-256, served at GET /v1/bundles/{sha256}."""
     url: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
     restart: _Serving | None = None
+
+    def current_secret(self) -> str:
+        """The secret the agent accepts now (handed out at its newest registration)."""
+        with self.lock:
+            return self.secrets_issued[-1]
 
     def job_samples(self, job_id: int) -> list[TelemetrySample]:
         """Samples of one job in time order."""
@@ -84,6 +99,22 @@ def _handler(fake: FakeScheduler) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def do_GET(self) -> None:
+            if self.headers.get("authorization") != f"Bearer {fake.token}":
+                self._send(401, {"detail": "bad token"})
+                return
+            sha = self.path.removeprefix("/v1/bundles/")
+            with fake.lock:
+                data = fake.bundles.get(sha) if self.path.startswith("/v1/bundles/") else None
+            if data is None:
+                self._send(404, {"detail": f"no route or bundle {self.path}"})
+                return
+            self.send_response(200)
+            self.send_header("content-type", "application/gzip")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def do_POST(self) -> None:
             raw = self.rfile.read(int(self.headers.get("content-length", 0)))
             if self.headers.get("authorization") != f"Bearer {fake.token}":
@@ -103,12 +134,17 @@ def _handler(fake: FakeScheduler) -> type[BaseHTTPRequestHandler]:
                 with fake.lock:
                     fake.registrations.append(reg)
                     node_id = len(fake.registrations)
+                    secret = secrets.token_hex(32)
+                    fake.secrets_issued.append(secret)
                 self._send(
                     200,
                     NodeRegistered(
                         node_id=node_id,
                         heartbeat_interval_s=fake.heartbeat_interval_s,
                         telemetry_interval_s=fake.telemetry_interval_s,
+                        agent_secret=secret,
+                        idle_power_per_gpu_w=fake.idle_power_per_gpu_w,
+                        host_power_w=fake.host_power_w,
                     ),
                 )
             elif path.startswith("/v1/nodes/") and path.endswith("/heartbeat"):
@@ -137,6 +173,8 @@ def _handler(fake: FakeScheduler) -> type[BaseHTTPRequestHandler]:
                             fake.samples[s.sample_id] = s
                             stored += 1
                     fake.duplicates += dups
+                    for power in report.node_power:
+                        fake.node_power.setdefault(power.sample_id, power)
                 self._send(200, TelemetryAck(stored=stored, duplicates=dups))
             else:
                 self._send(404, {"detail": f"no route {path}"})

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.agent.fake_scheduler import FakeScheduler, fake_scheduler, outage
+from worker_agent.bundle import pack_directory
 from worker_agent.protocol import AGENT_SECRET_HEADER, AgentStatus, RunningJob
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -29,6 +30,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 REPO = Path(__file__).resolve().parents[2]
 POWER_W = {1: 200.0, 2: 380.0, 3: 550.0}
 LONG_JOB = {"workload": "mlp", "global_batch_size": 16, "total_samples": 16 * 10_000_000}
+
+
+class _CurrentSecret(httpx.Auth):
+    """Sends the secret of the agent's newest registration (it rotates at each one)."""
+
+    def __init__(self, fake: FakeScheduler) -> None:
+        self.fake = fake
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        request.headers[AGENT_SECRET_HEADER] = self.fake.current_secret()
+        yield request
 
 
 class Node:
@@ -40,10 +52,7 @@ class Node:
         self.log = log
         reg = fake.registrations[0]
         self.url = reg.agent_url
-        self.secret = reg.agent_secret
-        self.http = httpx.Client(
-            base_url=self.url, headers={AGENT_SECRET_HEADER: self.secret}, timeout=120
-        )
+        self.http = httpx.Client(base_url=self.url, auth=_CurrentSecret(fake), timeout=120)
         self.acks: dict[tuple[int, int], dict[str, Any]] = {}
 
     def allocate(
@@ -137,6 +146,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
                 "test-node",
                 "--port",
                 "0",
+                # These tests restart stopped jobs from step 0 (checkpoints are on by default).
+                "--no-checkpoints",
             ],
             cwd=REPO,
             stdout=out,
@@ -160,7 +171,7 @@ def test_registers_with_secret_and_reachable_url(node: Node) -> None:
     assert reg.name == "test-node"
     assert reg.simulated and reg.gpu_kind == "simulated"
     assert [s.index for s in reg.slots] == [0, 1, 2]
-    assert len(reg.agent_secret) >= 16
+    assert len(node.fake.current_secret()) >= 16
     assert reg.agent_url.startswith("http://127.0.0.1:") and not reg.agent_url.endswith(":0")
     assert httpx.get(f"{reg.agent_url}/healthz").status_code == 200
     node.fake.wait_for(lambda: len(node.fake.heartbeats) > 0, timeout_s=30)
@@ -327,6 +338,90 @@ def test_dead_worker_fails_the_job_and_frees_its_slot(node: Node) -> None:
     wait_gone(retried.json()["worker_pids"])
 
 
+def test_broken_job_module_fails_the_job_with_its_reason(node: Node, tmp_path: Path) -> None:
+    # The bundle holds a module that does not import: the job fails, the agent carries on.
+    (tmp_path / "user_job_broken.py").write_text("import no_such_module_here\n")
+    bundle = pack_directory(tmp_path)
+    node.fake.bundles[bundle.sha256] = bundle.data
+    spec = {
+        "workload": "user_job_broken:job",
+        "global_batch_size": 4,
+        "total_samples": 400,
+        "bundle_sha256": bundle.sha256,
+    }
+    resp = node.allocate(7, 1, [1], spec)
+    assert resp.status_code == 422, resp.text
+    assert "cannot import job module 'user_job_broken'" in resp.json()["detail"]
+    assert "no_such_module_here" in resp.json()["detail"]
+    job = node.job(7)
+    assert job.job_error and job.gpus == 0 and "no_such_module_here" in (job.error or "")
+    node.fake.wait_for(
+        lambda: any(j.job_id == 7 and j.job_error for hb in node.fake.heartbeats for j in hb.jobs)
+    )
+    # A bundle the scheduler does not have fails the same way, naming the bundle.
+    missing = {**spec, "bundle_sha256": "0" * 64}
+    resp = node.allocate(8, 1, [1], missing)
+    assert resp.status_code == 422 and "not on the scheduler" in resp.json()["detail"]
+    assert node.http.get("/healthz").status_code == 200
+    for job_id in (7, 8):
+        stop = {"job_id": job_id, "generation": 2}
+        assert node.http.post(f"/jobs/{job_id}/stop", json=stop).status_code == 200
+
+
+FLAKY_JOB = """
+import torch
+
+calls = 0
+
+
+def loss(model, batch):
+    global calls
+    calls += 1
+    if calls > 3:
+        raise ValueError("the data ran dry")
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def job():
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    return {"model": Net, "dataset": data, "loss": loss}
+"""
+
+
+def test_job_code_raising_while_training_fails_the_job_for_good(node: Node, tmp_path: Path) -> None:
+    (tmp_path / "user_job_flaky.py").write_text(FLAKY_JOB)
+    bundle = pack_directory(tmp_path)
+    node.fake.bundles[bundle.sha256] = bundle.data
+    spec = {
+        "workload": "user_job_flaky:job",
+        "global_batch_size": 4,
+        "total_samples": 4_000,
+        "bundle_sha256": bundle.sha256,
+    }
+    resp = node.allocate(9, 1, [1], spec)
+    assert resp.status_code == 200, resp.text
+    # The failure is recorded first, then the workers released.
+    node.fake.wait_for(lambda: node.job(9).error is not None and node.job(9).gpus == 0, 60)
+    job = node.job(9)
+    assert job.job_error and job.gpus == 0 and job.worker_pids == []
+    assert "the job's model or loss function raised ValueError: the data ran dry" in (
+        job.error or ""
+    )
+    assert node.http.post("/jobs/9/stop", json={"job_id": 9, "generation": 2}).status_code == 200
+
+
 def test_jobs_the_scheduler_no_longer_wants_are_stopped_and_forgotten(node: Node) -> None:
     # Job 2 finished by itself; job 5 was allocated 0 slots (known, never started).
     assert node.allocate(5, 1, []).status_code == 200
@@ -349,10 +444,16 @@ def test_jobs_the_scheduler_no_longer_wants_are_stopped_and_forgotten(node: Node
 def test_heartbeat_404_makes_agent_register_again(node: Node) -> None:
     fake = node.fake
     count = len(fake.registrations)
+    old_secret = fake.current_secret()
     with fake.lock:
         fake.forget_node = True
     fake.wait_for(lambda: len(fake.registrations) > count, timeout_s=30)
-    assert fake.registrations[-1].agent_secret == node.secret
+    # The new registration drew a new secret: the agent takes only that one from now on.
+    new_secret = fake.current_secret()
+    assert new_secret != old_secret
+    stale = httpx.get(f"{node.url}/status", headers={AGENT_SECRET_HEADER: old_secret})
+    assert stale.status_code == 401
+    assert node.http.get("/status").status_code == 200
 
 
 def test_sigterm_stops_workers_and_exits_zero(node: Node) -> None:

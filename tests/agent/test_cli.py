@@ -38,6 +38,8 @@ def test_bad_input_is_one_line_exit_2() -> None:
     assert "--name" in _one_error_line(_agent(*base, "--simulate-gpus", "1", "--name", "a b"))
     line = _one_error_line(_agent("--scheduler", "ftp://x", "--token", "t", "--simulate-gpus", "1"))
     assert "--scheduler" in line
+    both = _agent(*base, "--simulate-gpus", "1", "--checkpoint-dir", "/tmp", "--no-checkpoints")
+    assert "--no-checkpoints" in _one_error_line(both)
     # Parse errors too: one plain line (no usage banner or box), naming the option.
     unknown = _agent(*base, "--scheduler-url", "x")
     assert "--scheduler-url" in _one_error_line(unknown)
@@ -60,3 +62,28 @@ def test_rejected_token_stops_the_agent_with_exit_2() -> None:
         result = _agent(*args, real_command=True)
         assert fake.unauthorized >= 1
     assert "HTTP 401" in _one_error_line(result)
+
+
+def test_the_token_comes_once_and_from_a_file_if_wanted(tmp_path: Path) -> None:
+    # Review: the agent token was given in argv, visible to every user in `ps`.
+    base = ["--scheduler", "http://127.0.0.1:1", "--simulate-gpus", "1"]
+    assert "credential" in _one_error_line(_agent(*base))
+    token_file = tmp_path / "token"
+    token_file.write_text("gf_abc_" + "x" * 40 + "\n")
+    both = _agent(*base, "--token", "t", "--token-file", str(token_file))
+    assert "once" in _one_error_line(both)
+    missing = _agent(*base, "--token-file", str(tmp_path / "none"))
+    assert "cannot read" in _one_error_line(missing)
+
+
+def test_rendezvous_address_rules() -> None:
+    from worker_agent.cli import rendezvous_address
+
+    scheduler = "http://127.0.0.1:8080"
+    assert rendezvous_address("none", "198.18.0.2", scheduler) is None
+    assert rendezvous_address("198.18.0.9", "127.0.0.1", scheduler) == "198.18.0.9"
+    # The API on one specific non-loopback address: that is the address others reach.
+    assert rendezvous_address("auto", "198.18.0.2", scheduler) == "198.18.0.2"
+    # Everything on loopback (a one-machine cluster): jobs stay inside their node.
+    assert rendezvous_address("auto", "127.0.0.1", scheduler) is None
+    assert rendezvous_address("auto", "0.0.0.0", "http://localhost:8080") is None

@@ -13,7 +13,7 @@ import torch
 from worker_agent.checkpoints import CheckpointStore
 from worker_agent.managed import ManagedJob
 from worker_agent.protocol import WorkloadSpec
-from worker_agent.runtime.pool import GpuSlot, JobRunner
+from worker_agent.runtime.runner import GpuSlot, JobRunner
 from worker_agent.workloads import job_spec_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

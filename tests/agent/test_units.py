@@ -14,10 +14,13 @@ from worker_agent.runtime.presets import build_job, model_shape
 from worker_agent.telemetry import (
     DEFAULT_SLOT_POWER_W,
     IDLE_SHARE,
+    NvmlUnavailable,
     Outbox,
     energy_kwh,
     estimated_power_w,
     model_power_w,
+    nvml_indices,
+    visible_devices,
 )
 from worker_agent.workloads import (
     WorkloadError,
@@ -43,18 +46,30 @@ def test_micro_batch_examples() -> None:
     assert micro_batch_size(7, 8) == 1
 
 
-@pytest.mark.parametrize("workload", WORKLOAD_PRESETS)
-def test_presets_keep_batch_and_have_a_layout_for_every_gpu_count(workload: str) -> None:
+TINY = {"gpt-tiny": "gpt", "bert-tiny": "bert", "mlp": "mlp"}
+STAND_INS = {"vgg16": "mlp", "inception3": "mlp", "deepspeech2": "mlp"}
+
+
+@pytest.mark.parametrize("workload", [*TINY, *STAND_INS])
+def test_tiny_presets_keep_batch_and_have_a_layout_for_every_gpu_count(workload: str) -> None:
     spec = WorkloadSpec(workload=workload, global_batch_size=48, total_samples=480, seed=3)
     job_spec = job_spec_for(spec, max_gpus=8)
     assert job_spec.global_batch_size == 48
     assert job_spec.seed == 3
-    family = {"gpt2": "gpt", "gpt-tiny": "gpt", "bert": "bert", "bert-tiny": "bert"}
-    assert job_spec.preset == family.get(workload, "mlp")
+    assert job_spec.preset == {**TINY, **STAND_INS}[workload] and job_spec.model is None
     shape = model_shape(build_job(job_spec), job_spec)
     assert shape.n_params < 1_000_000  # small enough for CPU worker processes
     for gpus in range(1, 9):
         assert valid_layouts(shape, gpus), f"{workload}: no layout for {gpus} GPUs"
+
+
+def test_real_workloads_are_the_real_architectures() -> None:
+    expect = {"gpt2": "gpt2-124m", "bert": "bert-base", "resnet50": "resnet50"}
+    assert set(expect) | set(TINY) | set(STAND_INS) == set(WORKLOAD_PRESETS)
+    for workload, model in expect.items():
+        spec = WorkloadSpec(workload=workload, global_batch_size=48, total_samples=480, seed=3)
+        job_spec = job_spec_for(spec, max_gpus=8)
+        assert (job_spec.model, job_spec.global_batch_size, job_spec.seed) == (model, 48, 3)
 
 
 def test_entrypoint_and_unknown_workloads() -> None:
@@ -112,3 +127,15 @@ def test_outbox_is_bounded_and_keeps_unacked_samples() -> None:
     box.ack(box.peek(2))
     assert [s.sample_id for s in box.peek(10)] == ["s4"]
     assert len(box) == 1
+
+
+def test_nvml_index_follows_cuda_visible_devices() -> None:
+    """CUDA device i is NVML device CUDA_VISIBLE_DEVICES[i] (by index or UUID), not i."""
+    uuids = {"GPU-aaaa-1111": 0, "GPU-bbbb-2222": 1, "GPU-cccc-3333": 2, "GPU-dddd-4444": 3}
+    assert nvml_indices(visible_devices(None), 4, uuids) == [0, 1, 2, 3]
+    assert nvml_indices(visible_devices("2,0"), 2, uuids) == [2, 0]
+    assert nvml_indices(visible_devices("GPU-dddd,GPU-bbbb-2222"), 2, uuids) == [3, 1]
+    # CUDA ignores everything from the first invalid entry on.
+    assert visible_devices("1,-1,2") == ["1"] and visible_devices("") == []
+    with pytest.raises(NvmlUnavailable, match="names no single GPU"):
+        nvml_indices(["GPU-"], 1, uuids)

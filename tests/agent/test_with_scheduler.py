@@ -12,8 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import select
 
 from scheduler_service.db import migrate
+from scheduler_service.db.models import NodePowerReading
+from scheduler_service.db.session import make_engine
 from tests.api.conftest import make_tokens
 from tests.support.processes import GREENFLOW, free_port, running
 
@@ -29,6 +32,22 @@ solver_time_limit_s = 2.0
 agent_heartbeat_interval_s = 0.5
 agent_telemetry_interval_s = 0.5
 """
+
+
+def _node_power_sources(database_url: str) -> set[tuple[str, str]]:
+    """(component, source) of the stored node power readings, once there are both kinds."""
+    engine = make_engine(database_url)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with engine.connect() as conn:
+                rows = conn.execute(select(NodePowerReading.component, NodePowerReading.source))
+                found = {(str(c), str(s)) for c, s in rows}
+            if len(found) >= 2 or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
+    finally:
+        engine.dispose()
 
 
 def test_agent_runs_a_job_the_real_scheduler_places(tmp_path: Path) -> None:
@@ -107,6 +126,12 @@ def test_agent_runs_a_job_the_real_scheduler_places(tmp_path: Path) -> None:
             assert heartbeat["heartbeat_age_s"] < 10
             # Every sample names the node that measured it.
             assert {s["node_id"] for s in samples} == {heartbeat["id"]}
+            # The node reports its whole draw as well: the host and the GPUs no job holds,
+            # labelled as the node model's estimates (no NVML, DCGM or RAPL here).
+            assert _node_power_sources(env["GREENFLOW_DATABASE_URL"]) == {
+                ("gpu", "estimated"),
+                ("host", "estimated"),
+            }
         finally:
             agent.send_signal(signal.SIGTERM)
             try:

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.allocation.baselines import lean_edf
+from scheduler_service.allocation.heuristic import greedy_run
 from scheduler_service.allocation.policies import POLICIES
 from scheduler_service.allocation.problem import (
     AllocationProblem,
@@ -23,7 +24,7 @@ from scheduler_service.allocation.problem import (
     evaluate_gpus,
     plan_arrays,
 )
-from scheduler_service.allocation.solver import greedy_run, solve
+from scheduler_service.allocation.solver import solve
 from tests.allocation.test_properties import SLOT_S, START, check_hard_constraints
 
 FEW = settings(
@@ -97,7 +98,9 @@ def large_problems(draw: st.DrawFn) -> AllocationProblem:
 def test_solver_at_scale_keeps_budgets_per_period_and_beats_every_baseline(
     problem: AllocationProblem,
 ) -> None:
-    plan = solve(problem, time_limit_s=0.5, seed=0)
+    # The solver without the baselines among its candidates (with them the comparison would
+    # hold by construction): its own steps must do at least as well as each baseline.
+    plan = solve(problem, time_limit_s=0.5, seed=0, use_baselines=False)
     check_hard_constraints(problem, plan.gpus)
     assert plan.objective == pytest.approx(evaluate_gpus(problem, plan.gpus).objective)
     others = {name: p for name, p in POLICIES.items() if name != "greenflow"}
@@ -105,7 +108,10 @@ def test_solver_at_scale_keeps_budgets_per_period_and_beats_every_baseline(
         other = policy(problem, previous=None, time_limit_s=0.5, seed=0)
         check_hard_constraints(problem, other.gpus)
         assert plan.objective <= other.objective * (1 + 1e-9) + 1e-6, name
-    # The registered policy (solver + guard) keeps the constraints and never does worse.
+    # The registered policy (solver with the baselines as candidates, and the guard) keeps the
+    # constraints and is never worse than the solver alone, though the baselines take a share of
+    # the time budget from the other steps (it was, before the repair mended more than the best
+    # candidate: docs/allocation.md, "Deadline repair").
     guarded = POLICIES["greenflow"](problem, previous=None, time_limit_s=0.5, seed=0)
     check_hard_constraints(problem, guarded.gpus)
     assert guarded.objective <= plan.objective * (1 + 1e-9) + 1e-6

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from scheduler_service.allocation.heuristic import greedy_run
 from scheduler_service.allocation.polish import _context, _costs, polish
 from scheduler_service.allocation.problem import (
     AllocationProblem,
+    BudgetMode,
+    BudgetPeriod,
     JobSpec,
     evaluate_gpus,
+    gpus_from_options,
     plan_arrays,
 )
-from scheduler_service.allocation.solver import _to_gpus, greedy_run
 from tests.allocation.test_large_properties import large_problems
 from tests.allocation.test_properties import SLOT_S, START, check_hard_constraints
 
@@ -38,12 +44,16 @@ def _misses(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) -> int
 def test_polish_is_never_worse_and_keeps_hard_constraints(
     problem: AllocationProblem, passes: int
 ) -> None:
+    _check_polish(problem, passes)
+
+
+def _check_polish(problem: AllocationProblem, passes: int) -> None:
     arrays = plan_arrays(problem)
     for gpus, ev in greedy_run(problem, arrays, None, None, passes=1).plans:
         if not (ev.capacity_ok and ev.allowed_ok and ev.budget_ok):
             continue  # polish starts from a plan that keeps them (solve's best candidate)
         out = polish(problem, arrays, _options(problem, gpus), passes)
-        polished = _to_gpus(problem, arrays, out)
+        polished = gpus_from_options(problem, arrays, out)
         after = evaluate_gpus(problem, polished)
         # Capacity, allowed counts and every hard budget period, checked slot by slot.
         check_hard_constraints(problem, polished)
@@ -98,10 +108,60 @@ def test_polish_gives_gpus_to_the_job_that_gains_most_from_them() -> None:
     arrays = plan_arrays(problem)
     before = evaluate_gpus(problem, start)
     assert before.capacity_ok
-    polished = _to_gpus(problem, arrays, polish(problem, arrays, _options(problem, start), 3))
+    polished = gpus_from_options(
+        problem, arrays, polish(problem, arrays, _options(problem, start), 3)
+    )
     after = evaluate_gpus(problem, polished)
     check_hard_constraints(problem, polished)
     assert after.objective < before.objective - 1.0
     short_before, short_after = before.completion_s["short"], after.completion_s["short"]
     assert short_before is not None and short_after is not None
     assert short_after < short_before - SLOT_S
+
+
+# Found by a randomised run of the property above (2026-11-27): the sell pool held two sells of one
+# job, both were picked for one buy, and the slot's GPUs were counted twice (26 > 24 in a slot).
+TWO_SELLS_OF_ONE_JOB = Path(__file__).parent / "data" / "polish_two_sells_of_one_job.json"
+
+
+def test_polish_never_picks_two_sells_of_one_job() -> None:
+    problem = AllocationProblem(
+        start_at=START,
+        slot_s=600.0,
+        capacity_gpus=(28, 29, 24, 24, 28, 29, 25, 26, 25, 32, 28, 26, 31, 32, 26),
+        intensity_g_per_kwh=(
+            465.888,
+            324.865,
+            106.448,
+            579.681,
+            252.949,
+            191.236,
+            511.259,
+            92.187,
+            445.482,
+            128.938,
+            247.645,
+            154.502,
+            507.912,
+            246.243,
+            585.322,
+        ),
+        jobs=tuple(
+            JobSpec(
+                **{
+                    **job,
+                    "allowed_gpus": tuple(job["allowed_gpus"]),
+                    "throughput_samples_per_s": tuple(job["throughput_samples_per_s"]),
+                    "power_w": tuple(job["power_w"]),
+                }
+            )
+            for job in json.loads(TWO_SELLS_OF_ONE_JOB.read_text())
+        ),
+        budget_periods=(
+            BudgetPeriod(start_s=-625.83, end_s=6242.606, budget_left_kg=1.063),
+            BudgetPeriod(start_s=6242.606, end_s=9556.143, budget_left_kg=1.297),
+        ),
+        budget_mode=BudgetMode.HARD,
+        change_cost_s=30.0,
+    )
+    _check_polish(problem, 1)

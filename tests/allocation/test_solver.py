@@ -7,6 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from scheduler_service.allocation.admission import admit
+from scheduler_service.allocation.heuristic import previous_worth, shift_previous
 from scheduler_service.allocation.policies import POLICIES, UnknownPolicy, get_policy
 from scheduler_service.allocation.problem import (
     AllocationPlan,
@@ -21,13 +23,8 @@ from scheduler_service.allocation.problem import (
     make_plan,
     relative_gap,
 )
-from scheduler_service.allocation.solver import (
-    FINISH_WORTH_SHARE,
-    _previous_worth,
-    admit,
-    shift_previous,
-    solve,
-)
+from scheduler_service.allocation.solver import solve
+from scheduler_service.allocation.steps import TUNING
 
 START = datetime(2022, 6, 1, tzinfo=UTC)
 SLOT_S = 3600.0
@@ -271,14 +268,14 @@ def test_the_warm_start_values_finishing_at_the_previous_plans_price() -> None:
     g = first.gpus["a"][last]
     rate = jobs[0].throughput_samples_per_s[jobs[0].index_of(g)]
     arrays = PlanArrays(problem(jobs))
-    worth = _previous_worth(first, problem(jobs), arrays)
+    worth = previous_worth(first, problem(jobs), arrays)
     assert worth is not None
     # Job a's last samples hold g GPUs of its finishing slot: worth that slot's price per sample.
-    expected = FINISH_WORTH_SHARE * first.gpu_price_per_slot[last] * g / (rate * SLOT_S)
+    expected = TUNING.finish_worth_share * first.gpu_price_per_slot[last] * g / (rate * SLOT_S)
     assert expected > 0 and worth[0] == pytest.approx(expected)
     assert worth[1] == 0.0  # job b does not finish inside the horizon
     # A plan without prices (another policy's) gives no warm worth.
     assert (
-        _previous_worth(dataclasses.replace(first, gpu_price_per_slot=()), problem(jobs), arrays)
+        previous_worth(dataclasses.replace(first, gpu_price_per_slot=()), problem(jobs), arrays)
         is None
     )

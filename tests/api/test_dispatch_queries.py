@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from scheduler_service.db.models import Allocation, GpuSlot, Job, Node
+from sqlalchemy import select
+
+from scheduler_service.db.models import Allocation, GpuSlot, Job, Node, Plan, PlanJob
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.dispatch.service import stop_finished_jobs
@@ -100,3 +102,44 @@ def test_newest_commands_slots_and_stops_of_finished_jobs(database_url: str) -> 
         assert NodeRepository(session).slots_of_jobs([ids["done"]]) == {}
         assert repo.newest_running_of_jobs_in(["SUCCEEDED", "CANCELLED"]) == []
     engine.dispose()
+
+
+def test_pruning_plans_takes_their_per_job_rows_with_them(database_url: str) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    now = datetime.now(UTC)
+    with transaction(factory) as session:
+        repo = AllocationRepository(session)
+        for index in range(5):
+            repo.add_plan(
+                Plan(
+                    start_at=now,
+                    slot_s=600.0,
+                    policy="greenflow",
+                    status="OPTIMAL",
+                    solve_s=0.1,
+                    energy_kwh=1.0,
+                    emissions_kg=0.1,
+                    gpus_by_job={"1": [index, 1], "2": [1, 0]},
+                    slots=[{}, {}],
+                    deadline_misses={"2": f"reason {index}"},
+                )
+            )
+    with transaction(factory) as session:
+        AllocationRepository(session).prune_plans(2)
+    with factory() as session:
+        repo = AllocationRepository(session)
+        plans = list(session.scalars(select(Plan).order_by(Plan.id)))
+        rows = list(session.scalars(select(PlanJob).order_by(PlanJob.plan_id, PlanJob.job_id)))
+        header = repo.latest_plan_header()
+        assert header is not None
+        newest = repo.plan_jobs(header.id)
+        totals = header.total_gpus
+    engine.dispose()
+    assert len(plans) == 2 and [p.num_slots for p in plans] == [2, 2]
+    assert {r.plan_id for r in rows} == {p.id for p in plans} and len(rows) == 4
+    assert [(r.job_id, r.gpus, r.deadline_miss) for r in newest] == [
+        (1, [4, 1], None),
+        (2, [1, 0], "reason 4"),
+    ]
+    assert totals == [5, 1]

@@ -30,7 +30,6 @@ def register_node(client: TestClient, tokens: Tokens, gpus: int = 4) -> None:
     body = {
         "name": "node-1",
         "agent_url": "http://127.0.0.1:9",
-        "agent_secret": "s" * 32,
         "slots": [{"index": i} for i in range(gpus)],
     }
     response = client.post("/v1/nodes/register", json=body, headers=auth(tokens.agent))
@@ -113,14 +112,19 @@ def test_deadline_in_the_past_is_rejected_with_the_field(
     assert response.json()["detail"][0]["loc"] == ["body", "deadline"]
 
 
-def test_entrypoint_workloads_and_total_steps_are_accepted(
+def test_total_steps_are_accepted_and_entrypoints_only_when_allowed(
     client: TestClient, tokens: Tokens
 ) -> None:
-    body = spec(workload="my_pkg.train:main", total_steps=500)
+    body = spec(total_steps=500)
     del body["total_samples"]
     response = client.post("/v1/jobs", json=body, headers=auth(tokens.alice))
     assert response.status_code == 201, response.text
     assert response.json()["total_steps"] == 500
+    # An entrypoint runs only where greenflow.toml allows it (none by default; test_hardening).
+    body["workload"] = "my_pkg.train:main"
+    response = client.post("/v1/jobs", json=body, headers=auth(tokens.alice))
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["body", "workload"]
 
 
 def test_users_see_only_their_own_jobs(client: TestClient, tokens: Tokens) -> None:
@@ -227,6 +231,37 @@ def test_operator_actions(client: TestClient, tokens: Tokens) -> None:
     assert kinds[-3:] == ["hold", "release", "priority"]
 
 
+def test_operators_change_the_gpus_a_job_may_use(client: TestClient, tokens: Tokens) -> None:
+    job = client.post("/v1/jobs", json=spec(max_gpus=4), headers=auth(tokens.alice)).json()
+    path = f"/v1/jobs/{job['id']}/gpus"
+    assert (
+        client.post(
+            path, json={"min_gpus": 1, "max_gpus": 1}, headers=auth(tokens.alice)
+        ).status_code
+        == 403
+    )
+    bad = client.post(path, json={"min_gpus": 3, "max_gpus": 2}, headers=auth(tokens.operator))
+    assert bad.status_code == 422 and "min_gpus (3) must not exceed max_gpus (2)" in bad.text
+    zero = client.post(path, json={"min_gpus": 0, "max_gpus": 2}, headers=auth(tokens.operator))
+    assert zero.status_code == 422 and "min_gpus" in zero.text
+    changed = client.post(path, json={"min_gpus": 2, "max_gpus": 2}, headers=auth(tokens.operator))
+    assert changed.status_code == 200
+    assert (changed.json()["min_gpus"], changed.json()["max_gpus"]) == (2, 2)
+    # The same range again records nothing new.
+    client.post(path, json={"min_gpus": 2, "max_gpus": 2}, headers=auth(tokens.operator))
+    events = client.get(f"/v1/jobs/{job['id']}/events", headers=auth(tokens.alice)).json()
+    ranges = [e for e in events if e["kind"] == "gpu_range"]
+    assert len(ranges) == 1 and ranges[0]["actor"] == "ops"
+    assert ranges[0]["reason"] == "GPUs allowed 1-4 -> 2-2"
+    client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth(tokens.alice))
+    done = client.post(path, json={"min_gpus": 1, "max_gpus": 1}, headers=auth(tokens.operator))
+    assert done.status_code == 409
+    missing = client.post(
+        "/v1/jobs/999999/gpus", json={"min_gpus": 1, "max_gpus": 1}, headers=auth(tokens.operator)
+    )
+    assert missing.status_code == 404
+
+
 def test_authentication_and_roles(client: TestClient, tokens: Tokens) -> None:
     assert client.get("/v1/jobs").status_code == 401
     assert client.get("/v1/jobs", headers=auth("gf_nothing_here")).status_code == 401
@@ -246,4 +281,14 @@ def test_cluster_health_and_metrics(client: TestClient, tokens: Tokens) -> None:
     metrics = client.get("/metrics")
     assert metrics.status_code == 200
     assert 'greenflow_jobs{state="QUEUED"} 1.0' in metrics.text
-    assert "greenflow_http_requests_total" in metrics.text
+    # Counted by route template and status (a refused request too).
+    client.get("/v1/jobs/99", headers=auth(tokens.alice))
+    metrics = client.get("/metrics")
+    counted = metrics.text
+    assert (
+        'greenflow_http_requests_total{method="POST",route="/v1/jobs",status="201"} 1.0' in counted
+    )
+    assert (
+        'greenflow_http_requests_total{method="GET",route="/v1/jobs/{job_id}",status="404"} 1.0'
+        in counted
+    )

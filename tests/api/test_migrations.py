@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 from alembic.autogenerate import compare_metadata
@@ -116,3 +117,39 @@ def test_timestamps_come_back_as_utc(database_url: str) -> None:
         assert job.created_at.tzinfo is not None
         assert job.created_at.utcoffset() == UTC.utcoffset(None)
     engine.dispose()
+
+
+def test_plans_stored_before_plan_jobs_get_their_rows(database_url: str) -> None:
+    migrate.downgrade(database_url, "4472019e3fbb")  # to before plan_jobs
+    engine = make_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO plans (created_at, start_at, slot_s, policy, status, solve_s,"
+                " energy_kwh, emissions_kg, forecast_degraded, gpus_by_job, slots, deadline_misses)"
+                " VALUES (:at, :at, 600, 'greenflow', 'OPTIMAL', 0.1, 1, 0.2, false, :gpus,"
+                " :slots, :misses)"
+            ),
+            {
+                "at": datetime.now(UTC),
+                "gpus": '{"1": [2, 4, 0], "2": [1, 1, 1, 1]}',
+                "slots": "[{}, {}, {}]",
+                "misses": '{"2": "too little time", "7": "no GPUs"}',
+            },
+        )
+    migrate.upgrade(database_url)
+    with engine.connect() as conn:
+        totals = conn.execute(text("SELECT num_slots, total_gpus FROM plans")).one()
+        rows = conn.execute(
+            text("SELECT job_id, gpus, deadline_miss FROM plan_jobs ORDER BY job_id")
+        ).all()
+    engine.dispose()
+    assert totals[0] == 3
+    total_gpus = json.loads(totals[1]) if isinstance(totals[1], str) else totals[1]
+    assert total_gpus == [3, 5, 1, 1]
+    parsed = [(j, json.loads(g) if isinstance(g, str) else g, m) for j, g, m in rows]
+    assert parsed == [
+        (1, [2, 4, 0], None),
+        (2, [1, 1, 1, 1], "too little time"),
+        (7, [], "no GPUs"),
+    ]

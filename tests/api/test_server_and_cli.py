@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scheduler_service.db import migrate
 from tests.api.conftest import make_tokens
 from tests.support.processes import free_port, run_cli, running
 
@@ -160,3 +161,42 @@ def test_planner_policy_names_the_registered_policies(tmp_path: Path) -> None:
     config.write_text('[planner]\npolicy = "fastest"\n')
     with pytest.raises(ConfigError, match=r"planner\.policy"):
         load_config(config)
+
+
+def test_token_and_node_credential_commands(tmp_path: Path) -> None:
+    # The rules themselves are tested in-process on both backends (test_node_identity.py);
+    # this checks the commands, on SQLite (each CLI call is a process start).
+    database_url = f"sqlite:///{tmp_path / 'cli.db'}"
+    migrate.upgrade(database_url)
+    env = {"GREENFLOW_DATABASE_URL": database_url}
+    first = run_cli(["token", "create", "--role", "user", "--name", "carol"], env)
+    assert first.returncode == 0, first.stderr
+    # One active token per role and name: a second "carol" would be a second identity.
+    again = run_cli(["token", "create", "--role", "user", "--name", "carol"], env)
+    assert again.returncode == 2
+    assert "active user token named 'carol' exists" in again.stderr
+    replaced = run_cli(
+        [
+            "token",
+            "create",
+            "--role",
+            "user",
+            "--name",
+            "carol",
+            "--replace",
+            "--expires-in-days",
+            "1",
+        ],
+        env,
+    )
+    assert replaced.returncode == 0, replaced.stderr
+    new_id = replaced.stdout.strip().split("_")[1]
+    assert run_cli(["token", "revoke", new_id], env).returncode == 0
+    listing = run_cli(["token", "list", "--all"], env)
+    assert listing.returncode == 0, listing.stderr
+    rows = [line for line in listing.stdout.splitlines() if "carol" in line]
+    assert len(rows) == 2 and new_id in "".join(rows)
+    node = run_cli(["node", "enrol", "node-7"], env)
+    assert node.returncode == 0 and node.stdout.startswith("gf_")
+    gone = run_cli(["node", "revoke", "node-7"], env)
+    assert gone.returncode == 0, gone.stderr

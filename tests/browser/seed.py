@@ -25,6 +25,7 @@ from scheduler_service.db.models import (
     TelemetrySample,
 )
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
+from scheduler_service.dispatch.plans import index_plan
 from scheduler_service.jobs.states import JobState, initial_event, transition
 
 REGION = "local"
@@ -463,21 +464,25 @@ def _plan(session: Session, now: datetime, *, bert: Job, resnet: Job, vgg: Job, 
             }
         )
     session.add(
-        Plan(
-            created_at=now - timedelta(seconds=40),
-            start_at=start,
-            slot_s=slot_s,
-            policy="greenflow",
-            status="OPTIMAL",
-            gap=0.0,
-            solve_s=0.8,
-            energy_kwh=sum(s["energy_kwh"] for s in slots),
-            emissions_kg=sum(s["emissions_kg"] for s in slots),
-            forecast_degraded=False,
-            gpus_by_job=gpus,
-            slots=slots,
-            deadline_misses={
-                str(resnet.id): "needs about 22 h on its maximum of 2 GPUs; the deadline is in 2 h"
-            },
+        index_plan(
+            Plan(
+                created_at=now - timedelta(seconds=40),
+                start_at=start,
+                slot_s=slot_s,
+                policy="greenflow",
+                status="OPTIMAL",
+                gap=0.0,
+                solve_s=0.8,
+                energy_kwh=sum(s["energy_kwh"] for s in slots),
+                emissions_kg=sum(s["emissions_kg"] for s in slots),
+                forecast_degraded=False,
+                gpus_by_job=gpus,
+                slots=slots,
+                deadline_misses={
+                    str(
+                        resnet.id
+                    ): "needs about 22 h on its maximum of 2 GPUs; the deadline is in 2 h"
+                },
+            )
         )
     )

@@ -20,17 +20,23 @@ from scheduler_service.console.service import (
     gpus_in_use_series,
     hot_switches,
     job_bucket_s,
+    job_output,
     layout_segments,
     plan_info,
     planned_gpus,
+    scalars_chart,
+    step_marks,
 )
 from scheduler_service.console.session import COOKIE_NAME
 from scheduler_service.db import migrate
 from scheduler_service.db.models import Job, JobEvent, Plan, TelemetrySample
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
+from scheduler_service.dispatch.plans import index_plan
+from scheduler_service.jobs.logs import LogSource
 from tests.api.conftest import POSTGRES_URL, _postgres_reachable, fresh_postgres_database
 from tests.browser.conftest import REPO_ROOT, SeededDb, fresh_client
 from tests.browser.seed import seed
+from tests.support.processes import free_port
 
 TEMPLATES = STATIC_DIR.parent / "templates"
 # Anything that would make the browser fetch from another origin.
@@ -87,7 +93,7 @@ def test_external_url_pattern_catches_cdn_references() -> None:
 def test_front_end_libraries_are_pinned_exactly() -> None:
     package = json.loads((REPO_ROOT / "package.json").read_text(encoding="utf-8"))
     lock = json.loads((REPO_ROOT / "package-lock.json").read_text(encoding="utf-8"))
-    assert set(package["dependencies"]) == {"htmx.org", "uplot"}
+    assert set(package["dependencies"]) == {"htmx.org", "uplot", "swagger-ui-dist"}
     for name, version in package["dependencies"].items():
         assert re.fullmatch(r"\d+\.\d+\.\d+", version), f"{name} {version} is not an exact pin"
         assert lock["packages"][f"node_modules/{name}"]["version"] == version
@@ -322,23 +328,27 @@ def test_filters_and_sorting(app_client: TestClient, seeded_db: SeededDb) -> Non
 
 def test_planned_gpus_sum_jobs_and_close_the_horizon() -> None:
     t0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-    plan = Plan(
-        start_at=t0,
-        slot_s=600.0,
-        gpus_by_job={"1": [2, 4, 0], "2": [1, 1, 1]},
-        slots=[{}, {}, {}],
-        deadline_misses={"2": "too little time", "9": "someone else's"},
+    plan = index_plan(
+        Plan(
+            start_at=t0,
+            slot_s=600.0,
+            gpus_by_job={"1": [2, 4, 0], "2": [1, 1, 1]},
+            slots=[{}, {}, {}],
+            deadline_misses={"2": "too little time", "9": "someone else's"},
+        )
     )
-    assert planned_gpus(plan) == [
+    assert planned_gpus(plan, plan.total_gpus) == [
         (t0, 3.0),
         (t0 + timedelta(minutes=10), 5.0),
         (t0 + timedelta(minutes=20), 1.0),
         (t0 + timedelta(minutes=30), 1.0),
     ]
+    rows = {row.job_id: row for row in plan.jobs}
+    assert sorted(rows) == [1, 2, 9]
+    assert (rows[9].gpus, rows[9].deadline_miss) == ([], "someone else's")
     # One job's plan ends one slot after its last GPU (the drop to zero), not at the horizon.
-    assert [g for _, g in planned_gpus(plan, "1")] == [2.0, 4.0, 0.0, 0.0]
-    plan.gpus_by_job = {"1": [2, 0, 0, 0, 0, 0]}
-    assert planned_gpus(plan, "1") == [
+    assert [g for _, g in planned_gpus(plan, rows[1].gpus, one_job=True)] == [2.0, 4.0, 0.0, 0.0]
+    assert planned_gpus(plan, [2, 0, 0, 0, 0, 0], one_job=True) == [
         (t0, 2.0),
         (t0 + timedelta(minutes=10), 0.0),
         (t0 + timedelta(minutes=20), 0.0),
@@ -346,7 +356,8 @@ def test_planned_gpus_sum_jobs_and_close_the_horizon() -> None:
     plan.created_at = t0
     plan.policy, plan.status, plan.energy_kwh, plan.emissions_kg = "greenflow", "OPTIMAL", 1.0, 0.2
     plan.forecast_degraded = False
-    assert plan_info(plan, visible_job_ids={"1", "2"}).deadline_misses == {"2": "too little time"}
+    info = plan_info(plan, {2: "too little time"})
+    assert (info.slots, info.deadline_misses) == (3, {"2": "too little time"})
 
 
 def test_hot_switch_old_layout_falls_back_to_the_layout_before_it() -> None:
@@ -528,3 +539,108 @@ def test_every_page_renders_on_postgresql(tmp_path: Path) -> None:
             client.app.state.engine.dispose()  # type: ignore[attr-defined]
     finally:
         drop()  # type: ignore[operator]
+
+
+def test_output_panel_is_a_fragment_for_htmx_and_a_page_without(seeded_db: SeededDb) -> None:
+    seeded = seeded_db.seeded
+    with fresh_client(seeded_db) as client:
+        sign_in(client, seeded.alice_token)
+        page = client.get(f"/console/jobs/{seeded.running_job_id}").text
+        # The job page loads the panel after itself, and keeps it through its own refresh.
+        assert 'id="job-output" hx-preserve="true"' in page
+        assert f'hx-get="/console/jobs/{seeded.running_job_id}/output"' in page
+        fragment = client.get(
+            f"/console/jobs/{seeded.running_job_id}/output", headers={"HX-Request": "true"}
+        )
+        assert fragment.status_code == 200
+        assert fragment.text.lstrip().startswith("<section") and "<html" not in fragment.text
+        # Unfinished: the fragment polls itself; the seeded node has no agent secret to ask it.
+        assert 'hx-trigger="every 5s"' in fragment.text
+        assert "has not run on a node yet" in fragment.text
+        assert "No scalars logged yet" in fragment.text
+        full = client.get(f"/console/jobs/{seeded.running_job_id}/output")
+        assert "<html" in full.text and "Back to the job" in full.text
+        assert full.headers["Content-Security-Policy"].startswith("default-src 'self'")
+        # Not bob's job: not found, and nothing fetched.
+        client.cookies.clear()
+        sign_in(client, seeded.bob_token)
+        assert client.get(f"/console/jobs/{seeded.running_job_id}/output").status_code == 404
+
+
+def _event(kind: str, details: dict[str, object]) -> JobEvent:
+    return JobEvent(job_id=1, at=datetime(2026, 1, 1, tzinfo=UTC), kind=kind, details=details)
+
+
+def test_step_marks_and_the_scalars_chart() -> None:
+    events = [
+        _event("allocation", {"gpus": 2, "step": 0}),
+        _event("hot_switch", {"from_gpus": 2, "to_gpus": 1, "step": 40}),
+        _event("state", {}),
+        _event("allocation", {"gpus": 1, "step": 55}),  # resumed after a pause
+        _event("hot_switch", {"to_gpus": 2}),  # an old event without its step: not placed
+    ]
+    marks = step_marks(events)
+    assert marks == [
+        {"x": 0, "label": "started on 2 GPUs", "kind": "start"},
+        {"x": 40, "label": "2→1 GPUs", "kind": "hot_switch"},
+        {"x": 55, "label": "resumed on 1 GPUs", "kind": "start"},
+    ]
+    series: dict[str, list[float | None]] = {
+        "loss": [3.0, 2.0],
+        "val_loss": [None, 2.5],
+        "lr": [0.1, 0.2],
+        "tokens": [8.0, 8.0],
+    }
+    chart, plotted, others = scalars_chart([0, 1], series, marks)
+    assert plotted == ["loss", "val_loss", "lr"] and others == ["tokens"]
+    spec = chart.as_json()
+    assert spec["x_kind"] == "step" and spec["x"] == [0.0, 1.0] and spec["marks"] == marks
+    assert [s["scale"] for s in spec["series"]] == ["value", "value", "lr"]
+    assert spec["scales"]["lr"]["side"] == "right"
+    # Nothing named like a loss: the first name alone.
+    _, plotted, others = scalars_chart([0], {"b": [1.0], "a": [2.0]}, [])
+    assert plotted == ["a"] and others == ["b"]
+
+
+def test_operators_set_a_jobs_gpu_range_from_its_page(seeded_db: SeededDb) -> None:
+    seeded = seeded_db.seeded
+    job_id = seeded.alice_queued_job_id
+    with fresh_client(seeded_db) as client:
+        sign_in(client, seeded.operator_token)
+        token = form_token(client, f"/console/jobs/{job_id}")
+        assert "Set GPU range" in client.get(f"/console/jobs/{job_id}").text
+        bad = client.post(
+            f"/console/jobs/{job_id}/gpus",
+            data={"form_token": token, "min_gpus": "3", "max_gpus": "2"},
+        )
+        assert bad.status_code == 422 and "must not exceed max_gpus" in bad.text
+        done = client.post(
+            f"/console/jobs/{job_id}/gpus",
+            data={"form_token": token, "min_gpus": "2", "max_gpus": "2"},
+            follow_redirects=False,
+        )
+        assert done.status_code == 303 and done.headers["location"].endswith("?done=gpus")
+        job = job_state(client, seeded.operator_token, job_id)
+        assert (job["min_gpus"], job["max_gpus"]) == (2, 2)
+        page = client.get(done.headers["location"]).text
+        assert "GPU range changed" in page and "-&gt; 2-2" in page  # the event, escaped
+        # Users see no such form, and the action is refused for them.
+        client.cookies.clear()
+        sign_in(client, seeded.alice_token)
+        assert "Set GPU range" not in client.get(f"/console/jobs/{job_id}").text
+        user_token = form_token(client, f"/console/jobs/{job_id}")
+        refused = client.post(
+            f"/console/jobs/{job_id}/gpus",
+            data={"form_token": user_token, "min_gpus": "1", "max_gpus": "1"},
+        )
+        assert refused.status_code == 403
+
+
+def test_output_panel_says_when_the_jobs_agent_does_not_answer() -> None:
+    marks = [{"x": 0, "label": "started on 1 GPUs", "kind": "start"}]
+    source = LogSource("node-x", f"http://127.0.0.1:{free_port()}", "secret")
+    out = job_output(7, False, marks, source, tail_bytes=1024, max_points=10)
+    assert out.unavailable is not None
+    assert "node node-x holds job 7's output and does not answer" in out.unavailable
+    assert out.node == "node-x" and out.tail == "" and out.curve.x == []
+    assert out.curve.marks == marks

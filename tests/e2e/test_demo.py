@@ -32,4 +32,7 @@ def test_demo_runs_jobs_and_prints_a_json_summary_last(tmp_path: Path) -> None:
     assert summary["energy_kwh"] > 0
     assert 0 < summary["emissions_kg"] <= summary["budget_kg"]
     assert "allocation" in result.stdout  # allocation changes are printed as they happen
+    # Its budget is sized for its jobs: nothing is paused for it (a node model charging idle
+    # GPUs and a host for the rest of a wall-clock day once paused every job after 6 s).
+    assert "budget of this period is spent" not in result.stdout
     assert (tmp_path / "greenflow-demo.db").exists()

@@ -157,6 +157,44 @@ def test_telemetry_without_power_keeps_power_prior() -> None:
     assert model.power_rel_std == prior.power_rel_std
 
 
+def test_estimated_power_never_trains_the_power_model() -> None:
+    """Power the scheduler estimated from the model itself is not evidence: only measured
+    samples fit the power model, and the fit says how many it used."""
+    prior = prior_job_model("resnet50", 128, COUNTS)
+    assert prior.params is not None
+    truth = prior.params.throughput
+    measured = synthetic_points(truth, PowerParams(60.0, 250.0, 0.8), 128, (2, 4), 6, noise=0.0)
+    # Estimated readings far off the truth: were they used, the fitted idle power would move.
+    estimated = [
+        TelemetryPoint(p.gpus, p.samples_per_s, 10.0 * p.gpus, p.at, power_source="estimated")
+        for p in synthetic_points(
+            truth,
+            PowerParams(60.0, 250.0, 0.8),
+            128,
+            (8,),
+            30,
+            noise=0.0,
+            start=T0 - timedelta(hours=1),
+        )
+    ]
+    only_measured = JobModelFitter(prior).update(measured)
+    both = JobModelFitter(prior).update([*measured, *estimated])
+    assert only_measured.power_samples_used == len(measured)
+    assert both.power_samples_used == len(measured)
+    assert both.samples_used == len(measured) + len(estimated)
+    assert both.params is not None and only_measured.params is not None
+    assert both.params.power.idle_w == pytest.approx(only_measured.params.power.idle_w, rel=0.02)
+    assert both.power_w[8] == pytest.approx(only_measured.power_w[8], rel=0.02)
+    # The same readings labelled as measured would drag the model far down (the check has teeth).
+    trusted = [replace(p, power_source="nvml") for p in estimated]
+    dragged = JobModelFitter(prior).update([*measured, *trusted])
+    assert dragged.power_w[8] < 0.7 * only_measured.power_w[8]
+    # Estimated samples alone leave the power prior untouched and report zero measured samples.
+    alone = JobModelFitter(prior).update(estimated)
+    assert alone.power_samples_used == 0
+    assert alone.params is not None and alone.params.power == prior.params.power
+
+
 def test_rejects_bad_telemetry() -> None:
     fitter = JobModelFitter(prior_job_model("bert", 64, COUNTS))
     with pytest.raises(ValueError, match="timezone-aware"):

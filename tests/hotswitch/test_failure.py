@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from worker_agent.runtime.errors import SwitchFailed
-from worker_agent.runtime.layout import Layout
-from worker_agent.runtime.pool import JobRunner
 from worker_agent.runtime.presets import JobSpec
+from worker_agent.runtime.runner import JobRunner
+from worker_agent.sharding import Layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -98,7 +98,8 @@ def test_default_policy_restores_a_dead_unique_shard_without_a_snapshot_copy() -
         with pytest.raises(SwitchFailed) as info:
             run.resize(2, Layout(pp=2))
         assert info.value.recovered_from == "snapshot@step2"
-        report = info.value.__cause__.report  # type: ignore[union-attr]
+        report = info.value.report
+        assert report is not None
         assert report.snapshot_s == 0.0
         assert run.layout == Layout(tp=2) and run.step_progress().step == 2
         _assert_state_equal(before, run.gather_state())
@@ -119,7 +120,7 @@ def test_periodic_snapshot_is_the_fallback_and_costs_the_switch_nothing() -> Non
         with pytest.raises(SwitchFailed) as info:
             run.resize(2, Layout(pp=2))
         assert info.value.recovered_from == "snapshot@step3"
-        assert info.value.__cause__.report.snapshot_s == 0.0  # type: ignore[union-attr]
+        assert info.value.report is not None and info.value.report.snapshot_s == 0.0
         assert run.layout == Layout(tp=2) and run.step_progress().step == 3
         _assert_state_equal(at_3, run.gather_state())
         assert run.train(1)[0][0] == 3

@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker_agent.hotswitch.plan import PlanError, build_plan, first_holder_max_send_bytes
-from worker_agent.runtime.layout import Layout
 from worker_agent.runtime.presets import JobSpec, build_job
-from worker_agent.runtime.shards import Holding, shard_map
+from worker_agent.sharding import Holding, Layout, shard_map
 
 Holdings = dict[int, list[Holding]]
 
@@ -134,6 +133,25 @@ def test_same_node_sender_is_preferred(problem: tuple[Holdings, Holdings, dict[i
         ]
         if any(nodes[w] == nodes[t.dst] for w in holders):
             assert nodes[t.src] == nodes[t.dst]
+
+
+@settings(max_examples=200, deadline=None)
+@given(_problem())
+def test_cross_node_bytes_are_the_least_any_sender_choice_moves(
+    problem: tuple[Holdings, Holdings, dict[int, str]],
+) -> None:
+    src, dst, nodes = problem
+    plan = build_plan(src, dst, nodes)
+    # Counted element by element: a needed element crosses nodes only when no worker on the
+    # receiver's node holds it.
+    near = {
+        n: set().union(*(_elements(hs) for w, hs in src.items() if nodes[w] == n)) for n in "ab"
+    }
+    least = sum(len(_elements(dst[w]) - _elements(src.get(w, [])) - near[nodes[w]]) for w in dst)
+    assert plan.bytes_cross_node == plan.bytes_cross_node_min == least * 4
+    crossing = sum(t.numel for t in plan.transfers if nodes[t.src] != nodes[t.dst])
+    assert plan.bytes_cross_node == crossing * 4
+    assert build_plan(src, dst).bytes_cross_node == 0  # no node information: one node
 
 
 def test_missing_state_raises_plan_error() -> None:

@@ -15,9 +15,9 @@ from typing import Literal
 import pytest
 import torch
 
-from worker_agent.runtime.layout import Layout
-from worker_agent.runtime.pool import GpuSlot, JobRunner, SwitchReport
 from worker_agent.runtime.presets import JobSpec, OptimizerSpec
+from worker_agent.runtime.runner import GpuSlot, JobRunner, SwitchReport
+from worker_agent.sharding import Layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

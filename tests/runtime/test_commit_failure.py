@@ -18,9 +18,9 @@ import torch
 
 from tests.hotswitch.test_switch import _assert_same_trajectory, _reference
 from worker_agent.runtime.errors import SwitchFailed
-from worker_agent.runtime.layout import Layout
-from worker_agent.runtime.pool import JobRunner, SwitchReport
 from worker_agent.runtime.presets import JobSpec
+from worker_agent.runtime.runner import JobRunner, SwitchReport
+from worker_agent.sharding import Layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -60,7 +60,8 @@ def _fail_after_transfers(
         with pytest.raises(SwitchFailed, match="rolled back") as info:
             run.resize(new_gpus, new_layout)
         assert info.value.recovered_from == recovered_from
-        report: SwitchReport = info.value.__cause__.report  # type: ignore[union-attr]
+        report = info.value.report
+        assert report is not None
         assert not report.ok and report.recovered_from == recovered_from
         assert report.error is not None and "died" in report.error
         assert run.layout == layout and run.step_progress().step == BEFORE

@@ -7,15 +7,13 @@ import pytest
 from worker_agent.runtime.errors import LayoutError
 from worker_agent.runtime.layout import (
     ClusterModel,
-    Layout,
     ModelShape,
     choose_layout,
     estimate_memory_bytes,
-    split_blocks,
     valid_layouts,
 )
 from worker_agent.runtime.presets import JobSpec, build_job, model_shape
-from worker_agent.runtime.shards import shard_map
+from worker_agent.sharding import Layout, shard_map, split_blocks
 
 
 def test_coords_round_trip_and_groups_partition_ranks() -> None:

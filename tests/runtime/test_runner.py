@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from worker_agent.runtime.errors import LayoutError
-from worker_agent.runtime.layout import Layout
-from worker_agent.runtime.pool import GpuSlot, JobRunner
 from worker_agent.runtime.presets import JobSpec
+from worker_agent.runtime.runner import GpuSlot, JobRunner
+from worker_agent.sharding import Layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -21,7 +21,8 @@ from energy_model.carbon.forecast import CarbonForecast
 from energy_model.carbon.resilient import ResilientCarbonSource
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import AllocationProblem, BudgetPeriod, JobSpec
-from scheduler_service.budget.periods import period_containing
+from scheduler_service.budget.ledger import current_period
+from scheduler_service.budget.periods import PeriodStatus, period_containing
 from scheduler_service.budget.watchdog import SpendExpectation, replan_reason, watch_lead_s
 from scheduler_service.carbon.service import make_carbon_source
 from scheduler_service.control_loop import ControlLoop
@@ -29,7 +30,6 @@ from scheduler_service.db import migrate
 from scheduler_service.db.models import CarbonForecastRecord, Job, LedgerEntry, TelemetrySample
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.jobs.states import JobState
-from scheduler_service.ledger import PeriodStatus, current_period
 from scheduler_service.settings import GreenflowConfig
 from tests.api.conftest import database_url, postgres_server  # noqa: F401 (fixtures)
 

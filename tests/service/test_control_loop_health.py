@@ -113,6 +113,13 @@ def test_metrics_show_the_loops_ticks_failures_and_last_plan(
             assert second.get(f"{LOOP}_last_plan_gap_ratio") == plan["gap"]
             assert second[f"{LOOP}_last_plan_solve_seconds"] == pytest.approx(plan["solve_s"])
             assert second[f"{LOOP}_ticks_total"] >= 2
+            # Each phase of the tick has its time, and together they are no more than the tick.
+            phases = {
+                name: second[f'{LOOP}_last_tick_phase_seconds{{phase="{name}"}}']
+                for name in ("snapshot", "solve", "write", "dispatch")
+            }
+            assert all(seconds >= 0 for seconds in phases.values())
+            assert sum(phases.values()) <= second[f"{LOOP}_last_tick_duration_seconds"]
             assert second[f"{LOOP}_tick_failures_total"] == 1
             assert second[f"{LOOP}_last_tick_timestamp_seconds"] >= ended_s
     finally:
@@ -253,5 +260,39 @@ def test_a_plan_whose_commit_fails_is_not_taken_for_the_plan_in_force(
         assert previous is None and expectation is None
         # The tick that committed took its plan for the one in force.
         assert loop.previous is not None and loop._spend_expectation is not None
+    finally:
+        engine.dispose()
+
+
+def test_a_burst_of_wakes_is_served_by_about_one_tick_a_second(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    loop = ControlLoop(_config(limit_kg=1.0), factory, engine)
+    coalesce_s = loop.config.planner.wake_coalesce_s
+
+    async def run() -> tuple[int, float]:
+        loop._loop = asyncio.get_running_loop()
+        ticking = asyncio.create_task(loop._tick_forever())
+        try:
+            await _until(lambda: loop.ticks == 1)
+            began_s = time.monotonic()
+            # 40 submissions in a second, each waking the loop, as the API does.
+            for _ in range(40):
+                loop.wake()
+                await asyncio.sleep(0.025)
+            await _until(lambda: loop.ticks >= 2)
+            spent_s = time.monotonic() - began_s
+            return loop.ticks - 1, spent_s
+        finally:
+            await loop.stop()
+            await ticking
+
+    try:
+        woken, spent_s = asyncio.run(run())
+        # The wakes were served (a tick came), by at most one tick per coalescing interval
+        # (before it, a tick per wake: 40).
+        assert 1 <= woken <= spent_s / coalesce_s + 1
     finally:
         engine.dispose()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place
+from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place, place_jobs
 
 NODES = [NodeSlots(1, (0, 1, 2, 3)), NodeSlots(2, (0, 1, 2, 3, 4, 5, 6, 7))]
 ALLOWED = {10: (1, 2, 4, 8), 11: (1, 2, 4, 8), 12: (1, 2, 4, 8)}
@@ -46,3 +46,32 @@ def test_a_count_that_fits_nowhere_is_lowered_or_dropped() -> None:
     assert out[11] == Placement(2, tuple(range(8)))
     full = place({11: 8, 12: 8}, {}, [NodeSlots(1, tuple(range(8)))], ALLOWED, [11, 12])
     assert full[12] == NOWHERE
+
+
+def test_a_lowered_count_comes_with_its_reason() -> None:
+    placed = place_jobs({11: 16, 12: 8}, {}, NODES, ALLOWED, [11, 12])
+    assert placed.placements[11] == Placement(2, tuple(range(8)))
+    assert placed.short[11].startswith("16 GPUs asked, 8 placed: no ready node has 16 free")
+    assert placed.placements[12] == Placement(1, (0, 1, 2, 3))
+    assert "8 GPUs asked, 4 placed" in placed.short[12]
+    assert 10 not in place_jobs({10: 4}, {}, NODES, ALLOWED, [10]).short
+
+
+def test_spanning_nodes_keeps_tensor_parallel_groups_inside_a_node() -> None:
+    # 12 GPUs: all 8 of node 2 and 4 of node 1, each part a multiple of TP 4.
+    placed = place_jobs({11: 12}, {}, NODES, {11: (12,)}, [11], tp={11: 4}, span_nodes=True)
+    assert placed.placements[11] == Placement(2, tuple(range(8)), ((1, (0, 1, 2, 3)),))
+    assert placed.short == {}
+    # Three free slots on a node hold no group of 4: 8 + 3 free give only 8.
+    nodes = [NodeSlots(1, (0, 1, 2)), NodeSlots(2, tuple(range(8)))]
+    short = place_jobs({11: 12}, {}, nodes, ALLOWED, [11], tp={11: 4}, span_nodes=True)
+    assert short.placements[11] == Placement(2, tuple(range(8)))
+    assert "tensor-parallel groups of 4" in short.short[11]
+
+
+def test_a_spanning_job_grows_on_its_own_node_first_and_shrinks_off_the_others_first() -> None:
+    current = {10: Placement(1, (0, 1))}
+    grown = place_jobs({10: 8}, current, NODES, {10: (8,)}, [10], span_nodes=True)
+    assert grown.placements[10] == Placement(1, (0, 1, 2, 3), ((2, (0, 1, 2, 3)),))
+    back = place_jobs({10: 4}, grown.placements, NODES, {10: (4,)}, [10], span_nodes=True)
+    assert back.placements[10] == Placement(1, (0, 1, 2, 3))

@@ -21,7 +21,7 @@ from scheduler_service.simulate.engine import SimulationConfig, simulate_trace
 from scheduler_service.simulate.trace import load_trace
 from tests.simulate.test_simulate import write_profiles, write_series, write_trace
 
-Call = tuple[frozenset[str], AllocationPlan | None, AllocationPlan]
+Call = tuple[frozenset[str], AllocationPlan | None, AllocationPlan, float]
 
 
 @pytest.mark.parametrize("elasticflow_events", [False, True])
@@ -33,7 +33,14 @@ def test_the_tick_after_an_admission_starts_from_the_admitting_plan(
 
     def recording(problem: AllocationProblem, **kwargs: Any) -> AllocationPlan:
         plan = real(problem, **kwargs)
-        calls.append((frozenset(j.job_id for j in problem.jobs), kwargs.get("previous"), plan))
+        calls.append(
+            (
+                frozenset(j.job_id for j in problem.jobs),
+                kwargs.get("previous"),
+                plan,
+                kwargs["time_limit_s"],
+            )
+        )
         return plan
 
     monkeypatch.setitem(policies.POLICIES, "greenflow", recording)
@@ -60,10 +67,11 @@ def test_the_tick_after_an_admission_starts_from_the_admitting_plan(
     )
     report = simulate_trace(jobs, series, profiles, config)
     assert all(o.admitted and o.deadline_met for o in report.outcomes)
-    # Ticks are the warm-started calls (admission solves cold). A tick that sees a job the tick
-    # before it did not see follows that job's admission, whose last solve (the call just
-    # before the tick) planned every job admitted so far: the tick must start from it.
-    ticks = [i for i, (_, previous, _) in enumerate(calls) if previous is not None]
+    # Ticks are the calls at the full time limit (admission solves at half of it). A tick that
+    # sees a job the tick before it did not see follows that job's admission, whose last solve
+    # (the call just before the tick) planned every job admitted so far: the tick must start
+    # from it.
+    ticks = [i for i, call in enumerate(calls) if call[3] == config.time_limit_s]
     after_admission = [
         i for before, i in itertools.pairwise(ticks) if calls[i][0] - calls[before][0]
     ]

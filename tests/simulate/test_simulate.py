@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from energy_model.carbon.series import IntensitySeries, load_intensity_csv
 from energy_model.power import job_power_w
 from energy_model.profiles import load_scaling_profiles
 from scheduler_service.allocation.policies import POLICIES
+from scheduler_service.allocation.snapshot import BudgetWindow
 from scheduler_service.simulate.cli import simulate
 from scheduler_service.simulate.engine import (
     CarbonClock,
@@ -94,11 +96,24 @@ def test_deadline_counts_only_if_admitted_and_met(tmp_path: Path) -> None:
         assert not outcomes["b"].admitted and "fastest" in outcomes["b"].reject_reason
         assert outcomes["a"].deadline_met is True
         assert report.deadline_met_ratio == pytest.approx(0.5)
+        # The one promise made (a) is kept; the rejected b made none.
+        assert report.admitted_missed == 0
+        assert report.admitted_lateness_s == {"sum": 0.0, "max": 0.0}
+        assert outcomes["a"].lateness_s == 0.0 and outcomes["b"].lateness_s is None
     static = simulate_trace(
         jobs, series, profiles, SimulationConfig(policy="static", num_nodes=1, gpus_per_node=4)
     )
-    # Static admits b, runs it, and still misses its deadline.
-    assert {o.job_id: o.deadline_met for o in static.outcomes}["b"] is False
+    # Static admits b, runs it, and still misses its deadline: a broken promise, late by the
+    # time from its deadline to its finish.
+    b = {o.job_id: o for o in static.outcomes}["b"]
+    assert b.deadline_met is False and b.finish_s is not None
+    assert static.admitted_missed == 1
+    assert b.lateness_s is not None and b.lateness_s > 0
+    assert b.lateness_s == pytest.approx(b.finish_s - 1800.0)
+    assert static.admitted_lateness_s == {
+        "sum": pytest.approx(b.lateness_s),
+        "max": pytest.approx(b.lateness_s),
+    }
 
 
 def test_hard_budget_is_never_overspent(tmp_path: Path) -> None:
@@ -185,6 +200,8 @@ def test_cli_writes_the_report_and_rejects_bad_input(tmp_path: Path) -> None:
     payload = json.loads(out.read_text())
     for key in (
         "deadline_met_ratio",
+        "admitted_missed",
+        "admitted_lateness_s",
         "avg_jct_s",
         "p95_jct_s",
         "energy_kwh",
@@ -196,6 +213,8 @@ def test_cli_writes_the_report_and_rejects_bad_input(tmp_path: Path) -> None:
     ):
         assert key in payload
     assert payload["finished"] == 2
+    assert payload["admitted_missed"] == 0 and set(payload["admitted_lateness_s"]) == {"sum", "max"}
+    assert "admitted deadlines missed" in result.output
     bad_cluster = runner.invoke(
         _app(), [*base, "--cluster", "4", "--policy", "static", "--out", str(out)]
     )
@@ -262,6 +281,23 @@ def test_best_effort_runs_every_job_and_jct_counts_all(tmp_path: Path) -> None:
     assert loose.avg_jct_all_s == pytest.approx(loose.avg_jct_s)
 
 
+def test_a_best_effort_trace_job_runs_when_its_window_cannot_be_promised(tmp_path: Path) -> None:
+    profiles = load_scaling_profiles(write_profiles(tmp_path))
+    series = load_intensity_csv(write_series(tmp_path, [200.0] * 24))
+    # b cannot finish within its window even alone; only b asks for best effort (the slack
+    # workload's windowed jobs), so the run admits it without a guarantee, not the config.
+    rows = ["a,0,10800,toy,7200,32,1,3600", "b,0,108000,toy,1800,32,4,3600"]
+    jobs = load_trace(write_trace(tmp_path, rows))
+    jobs = [replace(j, best_effort=j.job_id == "b") for j in jobs]
+    for policy in ("carbon-agnostic", "greenflow"):
+        report = simulate_trace(
+            jobs, series, profiles, SimulationConfig(policy, 1, 4, slot_s=600.0)
+        )
+        outcomes = {o.job_id: o for o in report.outcomes}
+        assert report.admitted == 2 and report.finished == 2, policy
+        assert outcomes["b"].deadline_met is False and outcomes["a"].deadline_met is True
+
+
 def test_daily_budget_goes_on_past_the_trace_so_every_job_finishes(tmp_path: Path) -> None:
     profiles = load_scaling_profiles(write_profiles(tmp_path))
     series = load_intensity_csv(write_series(tmp_path, [300.0] * 24))
@@ -321,7 +357,7 @@ def test_budget_watchdog_cuts_a_step_where_real_spend_reaches_the_budget(tmp_pat
     series = load_intensity_csv(write_series(tmp_path, [100.0] * 48))
     clock = CarbonClock(series, pue=1.0)
     # 1 kW at 100 g/kWh spends 1 kg per 10 h: 0.01 kg lasts 360 s.
-    periods = [(0.0, 86_400.0, 0.05)]
+    periods = [BudgetWindow(0.0, 86_400.0, 0.05)]
     cut_s = budget_cut_s(clock, periods, [0.04], 0.0, 900.0, [(1000.0, 5000.0)])
     assert cut_s == pytest.approx(360.0, rel=1e-6)
     # A job that finishes first spends less: the budget still lasts, no cut.
@@ -335,7 +371,7 @@ def test_budget_watchdog_cuts_a_step_where_real_spend_reaches_the_budget(tmp_pat
     dirty = CarbonClock(
         load_intensity_csv(write_series(tmp_path, [100.0] * 24 + [1000.0] * 24)), 1.0
     )
-    two_days = [(0.0, 86_400.0, 0.05), (86_400.0, 172_800.0, 0.05)]
+    two_days = [BudgetWindow(0.0, 86_400.0, 0.05), BudgetWindow(86_400.0, 172_800.0, 0.05)]
     start_s = 86_400.0 - 100.0
     run = [(1000.0, 5000.0)]
     assert budget_cut_s(dirty, two_days, [0.04, 0.0], start_s, 900.0, run) == pytest.approx(100.0)
@@ -373,3 +409,27 @@ def test_hard_budget_holds_under_model_and_forecast_error(tmp_path: Path) -> Non
         cuts += report.budget_cuts
     # The errors made some plan overspend in reality, and the watchdog is what stopped it.
     assert cuts > 0
+
+
+def test_cli_default_horizon_covers_the_deadlines_or_names_the_flags(tmp_path: Path) -> None:
+    profiles = write_profiles(tmp_path)
+    carbon = write_series(tmp_path, [100.0, 300.0] * 12)
+    base = ["simulate", "--carbon", str(carbon), "--profiles", str(profiles), "--cluster", "1x4"]
+    out = tmp_path / "report.json"
+    # A 5,040 s deadline window at 60 s slots needs 84 slots (the old default, 48, fell short).
+    near = write_trace(tmp_path, ["a,0,36000,toy,5040,32,4,1200"])
+    args = [*base, "--jobs", str(near), "--slot-s", "60", "--policy", "static", "--out", str(out)]
+    result = CliRunner().invoke(_app(), args)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert payload["config"]["horizon_slots"] == 84
+    assert payload["wall_s"] > 0
+    assert "warning" not in result.output
+    # 60,000 s at 60 s slots would need 1,000: the default stops at 192 and says what to raise.
+    far = write_trace(tmp_path, ["a,0,36000,toy,60000,32,4,1200"])
+    args = [*base, "--jobs", str(far), "--slot-s", "60", "--policy", "static", "--out", str(out)]
+    result = CliRunner().invoke(_app(), args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["config"]["horizon_slots"] == 192
+    assert "1 of 1 jobs" in result.output
+    assert "--horizon-slots" in result.output and "--slot-s" in result.output

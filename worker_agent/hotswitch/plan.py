@@ -12,13 +12,12 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from worker_agent.runtime.errors import RuntimeErrorBase
-from worker_agent.runtime.shards import Holding
+from worker_agent.sharding import Holding
 
 WorkerId = int
 
 
-class PlanError(RuntimeErrorBase):
+class PlanError(Exception):
     """A target shard needs elements that no source worker holds (state was lost)."""
 
 
@@ -67,6 +66,11 @@ class SwitchPlan:
     bytes_lower_bound: int
     send_bytes: dict[WorkerId, int] = field(default_factory=dict)
     strategy: str = "balanced"
+    bytes_cross_node: int = 0
+    """Part of the moved bytes whose sender and receiver are on different nodes."""
+    bytes_cross_node_min: int = 0
+    """The least any sender choice moves between nodes: pieces no holder on the receiver's node
+    has (the planner takes a same-node sender whenever there is one, so the two are equal)."""
 
     @property
     def bytes_moved(self) -> int:
@@ -87,6 +91,8 @@ class SwitchPlan:
             bytes_lower_bound=self.bytes_lower_bound,
             send_bytes=dict(self.send_bytes),
             strategy=self.strategy,
+            bytes_cross_node=self.bytes_cross_node,
+            bytes_cross_node_min=self.bytes_cross_node_min,
         )
 
     def sends_of(self, worker: WorkerId) -> dict[WorkerId, list[Transfer]]:
@@ -198,7 +204,7 @@ def _pieces(
 
 def _candidates(p: _Piece, node_of: Mapping[WorkerId, str]) -> list[tuple[WorkerId, int]]:
     """Holders of a piece on the receiver's node, or all holders when none is."""
-    near = [h for h in p.holders if node_of.get(h[0]) == node_of.get(p.dst)]
+    near = [h for h in p.holders if _same_node(h[0], p.dst, node_of)]
     return near or p.holders
 
 
@@ -283,6 +289,7 @@ def build_plan(
     order = {w: i for i, w in enumerate(dict.fromkeys([*src, *dst]))}
     transfers.sort(key=lambda t: (order[t.src], order[t.dst], t.dst_offset))
     local.sort(key=lambda c: (order[c.worker], c.dst_offset))
+    far = [p for p in pieces if not any(_same_node(h[0], p.dst, node_of) for h in p.holders)]
     return SwitchPlan(
         transfers=transfers,
         local_copies=local,
@@ -290,7 +297,14 @@ def build_plan(
         bytes_lower_bound=lower_bound,
         send_bytes={w: n * elem_bytes for w, n in load.items()},
         strategy=strategy,
+        bytes_cross_node=sum(t.numel for t in transfers if not _same_node(t.src, t.dst, node_of))
+        * elem_bytes,
+        bytes_cross_node_min=sum(p.end - p.start for p in far) * elem_bytes,
     )
+
+
+def _same_node(a: WorkerId, b: WorkerId, node_of: Mapping[WorkerId, str]) -> bool:
+    return node_of.get(a) == node_of.get(b)
 
 
 def first_holder_max_send_bytes(

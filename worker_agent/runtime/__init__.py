@@ -1,6 +1,6 @@
 """Training runtime: jobs, presets, layouts, worker processes and the parent-side JobRunner.
 
-Import from the submodules (`worker_agent.runtime.pool.JobRunner`, `.layout.Layout`,
-`.presets.JobSpec`, `.job.TrainingJob`); this package imports nothing itself so that
-`worker_agent.hotswitch` and the runtime can depend on each other's leaf modules.
+Import from the submodules (`worker_agent.runtime.runner.JobRunner`, `.layout.choose_layout`,
+`.presets.JobSpec`, `.job.TrainingJob`). The runtime imports `worker_agent.hotswitch`; both import
+the shared geometry in `worker_agent.sharding`, and the hot switch imports nothing from here.
 """

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from worker_agent.sharding import LayoutError
+
+if TYPE_CHECKING:
+    from worker_agent.runtime.switch import SwitchReport
+
+__all__ = [
+    "JobCodeFailed",
+    "JobSpecError",
+    "LayoutError",
+    "RuntimeErrorBase",
+    "SwitchFailed",
+    "WorkerFailed",
+]
+
 
 class RuntimeErrorBase(Exception):
     """Base class for every error the runtime raises on purpose."""
-
-
-class LayoutError(RuntimeErrorBase, ValueError):
-    """A layout is invalid for the model, the batch size, or the GPU count."""
 
 
 class JobSpecError(RuntimeErrorBase, ValueError):
@@ -24,9 +36,18 @@ class WorkerFailed(RuntimeErrorBase):
         """Ids of the workers whose process is gone."""
 
 
+class JobCodeFailed(WorkerFailed):
+    """The job's own definition failed in a worker (job module import, job function, its return
+    value, the model factory): the job cannot run anywhere, so it fails instead of restarting."""
+
+
 class SwitchFailed(RuntimeErrorBase):
     """A hot switch failed; the job was rolled back (see `recovered_from`)."""
 
-    def __init__(self, message: str, recovered_from: str) -> None:
+    def __init__(
+        self, message: str, recovered_from: str, report: SwitchReport | None = None
+    ) -> None:
         super().__init__(message)
         self.recovered_from = recovered_from
+        self.report = report
+        """The failed attempt's report (timings, volumes, error)."""

@@ -9,42 +9,16 @@ slice, which is what keeps packing and unpacking during a hot switch to plain `c
 
 from __future__ import annotations
 
-import math
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
+from worker_agent.sharding import ParamSpec
+
 Batch = dict[str, torch.Tensor]
-ParamKind = Literal["replicated", "split0"]
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One logical parameter: full shape, TP split, the pipeline unit it belongs to, its init."""
-
-    name: str
-    shape: tuple[int, ...]
-    kind: ParamKind
-    unit: int
-    """Pipeline unit: -1 = embedding (first stage), n_blocks = head (last stage), else a block."""
-    init_std: float = 0.02
-    init_const: float | None = None
-
-    @property
-    def numel(self) -> int:
-        """Elements of the full logical tensor."""
-        return math.prod(self.shape)
-
-    def init_full(self, seed: int) -> torch.Tensor:
-        """The full initial tensor; the same on every worker and in every layout."""
-        if self.init_const is not None:
-            return torch.full(self.shape, self.init_const, dtype=torch.float32)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(self.name.encode()))
-        return torch.randn(self.shape, generator=gen, dtype=torch.float32) * self.init_std
 
 
 class _CopyToTP(torch.autograd.Function):

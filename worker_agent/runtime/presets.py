@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field, model_validator
 
 from worker_agent.runtime.errors import JobSpecError
-from worker_agent.runtime.job import Batch, ParamSpec, TensorParallel, TrainingJob
+from worker_agent.runtime.job import Batch, TensorParallel, TrainingJob
 from worker_agent.runtime.layout import ModelShape
+from worker_agent.sharding import ParamSpec
 
 
 class OptimizerSpec(BaseModel):
@@ -27,11 +27,21 @@ class OptimizerSpec(BaseModel):
 
 
 class JobSpec(BaseModel):
-    """What a job spec names: a preset (or a user entrypoint), its size, batch and optimizer."""
+    """What a job spec names: a model job (built-in `model` or a user's `entrypoint`), or one of
+    the functional presets; its batch and seed (and the presets' size and optimizer)."""
 
     preset: Literal["gpt", "bert", "mlp"] | None = "gpt"
+    """A functional preset (runtime/presets.py); ignored when `model` or `entrypoint` is set."""
+    model: str | None = None
+    """A built-in nn.Module job (`worker_agent.runtime.models.BUILTIN`, e.g. `gpt2-124m`)."""
     entrypoint: str | None = None
-    """`module:callable` returning a `TrainingJob`, given this spec; overrides `preset`."""
+    """A user's job module, `package.module:function` returning a `JobDefinition` (or a dict of
+    its fields), called with `options`; imported only in the job's worker processes."""
+    workdir: str | None = None
+    """Directory put first on the workers' `sys.path` before importing `entrypoint`."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the model builder / job function; `optimizer`, `lr_schedule`,
+    `grad_clip_norm`, `precision`, `tp_plan` override the definition's own."""
     n_layers: int = Field(default=2, ge=1)
     d_model: int = Field(default=32, ge=1)
     n_heads: int = Field(default=4, ge=1)
@@ -47,8 +57,8 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
-        if self.preset is None and self.entrypoint is None:
-            raise ValueError("set either preset or entrypoint")
+        if self.preset is None and self.entrypoint is None and self.model is None:
+            raise ValueError("set one of preset, model or entrypoint")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.global_batch_size % self.micro_batch_size:
@@ -259,20 +269,17 @@ class MLPJob:
         return F.cross_entropy(F.linear(h, params["head.w"]), batch["targets"], reduction="sum")
 
 
+def is_module_job(spec: JobSpec) -> bool:
+    """Whether the spec names an nn.Module job (built-in model or user job module)."""
+    return spec.model is not None or spec.entrypoint is not None
+
+
 def build_job(spec: JobSpec) -> TrainingJob:
-    """The job a spec names: a user entrypoint when given, else the preset."""
-    if spec.entrypoint:
-        module_name, _, attr = spec.entrypoint.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise JobSpecError(
-                f"cannot load entrypoint {spec.entrypoint!r} ({exc}); use 'package.module:callable'"
-            ) from exc
-        job = factory(spec)
-        if not isinstance(job, TrainingJob):
-            raise JobSpecError(f"entrypoint {spec.entrypoint!r} did not return a TrainingJob")
-        return job
+    """The functional preset a spec names (module jobs are built in their workers only)."""
+    if is_module_job(spec):
+        raise JobSpecError(
+            f"{spec.model or spec.entrypoint!r} is an nn.Module job: its workers build it"
+        )
     if spec.preset == "gpt":
         return GPTJob(spec)
     if spec.preset == "bert":

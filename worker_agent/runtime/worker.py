@@ -10,18 +10,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from worker_agent import joblog
 from worker_agent.hotswitch.execute import (
     ExecStats,
     StagedSwitch,
@@ -30,11 +31,23 @@ from worker_agent.hotswitch.execute import (
     stage_switch,
 )
 from worker_agent.hotswitch.plan import SwitchPlan
+from worker_agent.runtime.errors import JobSpecError
 from worker_agent.runtime.job import TensorParallel, TrainingJob
-from worker_agent.runtime.layout import Layout, split_blocks
 from worker_agent.runtime.optim import adamw_step
-from worker_agent.runtime.presets import JobSpec, build_job
-from worker_agent.runtime.shards import ShardMap, shard_map
+from worker_agent.runtime.presets import JobSpec, build_job, is_module_job
+from worker_agent.sharding import STATE_KINDS, Layout, ParamSpec, ShardMap, shard_map, split_blocks
+
+
+class Channel(Protocol):
+    """The worker's link to its runner: a pipe, or a socket when the runner is on another node."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+    def poll(self, timeout: float | None = 0.0) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,12 @@ class WorkerConfig:
     shared_state: bool = False
     """Keep the flat state buffer in shared memory that the runner maps too (CPU only), so a
     worker's state outlives its process without a snapshot copy."""
+    socket_ifname: str | None = None
+    """Network interface gloo/NCCL bind to (the one other nodes reach); None: their default,
+    which inside one node is fine and across nodes may pick an address peers cannot reach."""
+    log_path: str | None = None
+    """Append the process's stdout and stderr (file descriptors 1 and 2, so native output and
+    crashes too) to this file, and the job's `greenflow_log` scalars to `<log_path>.scalars`."""
 
 
 @dataclass
@@ -79,9 +98,11 @@ class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.spec = JobSpec.model_validate_json(cfg.spec_json)
-        self.job: TrainingJob = build_job(self.spec)
-        self.specs = self.job.param_specs()
-        self.n_blocks = self.job.n_blocks()
+        self.kinds: tuple[str, ...] = STATE_KINDS
+        """Flat-buffer sections: the parameters, then the optimizer's state tensors."""
+        self.specs: list[ParamSpec] = []
+        self.n_blocks = 0
+        self._load_job()
         if cfg.device_index is not None:
             torch.cuda.set_device(cfg.device_index)
             self.device = torch.device("cuda", cfg.device_index)
@@ -113,9 +134,27 @@ class Worker:
         """Peers' state buffers mapped for the last switch's pulls (unmapped after the pause)."""
         self._old_groups: list[dist.ProcessGroup] = []
         """Sub-groups a switch replaced; destroyed after the pause (each holds open sockets)."""
+        self.stage: Any = None
+        """The module job's stage model (None for the built-in functional presets)."""
+        self.optimizer: Any = None
         self._undo: dict[str, Any] | None = None
         """The state a commit replaced, until the switch is final (the next command that is not
         part of the pause): `switch_abort` puts it back if the switch fails after the commit."""
+
+    def _load_job(self) -> None:
+        """The job's parameter geometry (built-in functional presets)."""
+        self.job: TrainingJob = build_job(self.spec)
+        self.specs = self.job.param_specs()
+        self.n_blocks = self.job.n_blocks()
+
+    def _smap(self, layout: Layout, rank: int) -> ShardMap:
+        return shard_map(self.specs, self.n_blocks, layout, rank, self.kinds)
+
+    def _adopt(self, layout: Layout, rank: int, flat: torch.Tensor, prebuilt: Any) -> None:
+        """Bind the job's compute to a newly installed state buffer (`prebuilt` from staging)."""
+
+    def _prepare(self, staged: StagedSwitch, new_layout: Layout, new_rank: int) -> None:
+        """Build what the new layout needs before the pause (staging thread)."""
 
     # ----- process groups -------------------------------------------------------------------
     def cmd_join(self, generation: int, rank: int, world_size: int) -> None:
@@ -184,10 +223,12 @@ class Worker:
         assert self.layout is not None
         return self.flat, self.layout, self.rank
 
-    def _install(self, layout: Layout, rank: int, flat: torch.Tensor, step: int) -> None:
+    def _install(
+        self, layout: Layout, rank: int, flat: torch.Tensor, step: int, prebuilt: Any = None
+    ) -> None:
         """Adopt a flat state buffer for (layout, rank): parameters become views into it."""
         self.layout, self.rank, self.step = layout, rank, step
-        self.smap = shard_map(self.specs, self.n_blocks, layout, rank)
+        self.smap = self._smap(layout, rank)
         self.flat = flat
         # The gradient buffer is allocated by the first step (not inside the switch).
         self.grad_flat = None
@@ -196,10 +237,11 @@ class Worker:
             view = flat[ps.offset : ps.offset + ps.end - ps.start].view(ps.local_shape)
             # detach() shares storage: the optimizer's in-place updates of `flat` are the params.
             self.params[ps.spec.name] = view.detach().requires_grad_(True)
+        self._adopt(layout, rank, flat, prebuilt)
 
     def cmd_init_state(self, layout: Layout, rank: int) -> int:
         """Fresh state from the job's seeded initialisation; returns its size in bytes."""
-        smap = shard_map(self.specs, self.n_blocks, layout, rank)
+        smap = self._smap(layout, rank)
         flat = self._alloc_state(smap.n_state_elems).zero_()
         for ps in smap.params:
             full = ps.spec.init_full(self.spec.seed).reshape(-1)[ps.start : ps.end]
@@ -444,7 +486,9 @@ class Worker:
     ) -> StagedSwitch:
         new_numel = None
         if new_layout is not None:
-            new_numel = shard_map(self.specs, self.n_blocks, new_layout, new_rank).n_state_elems
+            new_smap = self._smap(new_layout, new_rank)
+            new_numel = new_smap.n_state_elems
+            n_grad = new_smap.n_param_elems
         staged = stage_switch(
             plan,
             self.cfg.worker_id,
@@ -458,16 +502,18 @@ class Worker:
         )
         old_grad = self.grad_flat
         if new_numel is not None and not staged.identity:
-            if old_grad is not None and old_grad.numel() >= new_numel // 3:
+            if old_grad is not None and old_grad.numel() >= n_grad:
                 # The old layout's gradient buffer is big enough: every step overwrites the
                 # whole buffer, so the new layout takes a view of it at commit (no fresh pages:
                 # faulting them cost 0.1-0.5 s of kernel CPU per 400 MB while training ran).
-                staged.extra["grad"] = old_grad[: new_numel // 3]
+                staged.extra["grad"] = old_grad[:n_grad]
             else:
                 # A new gradient buffer, faulted in now, so the first step after the switch
                 # does not fault in fresh pages either.
-                staged.extra["grad"] = torch.zeros(new_numel // 3, device=self.device)
+                staged.extra["grad"] = torch.zeros(n_grad, device=self.device)
             staged.profile.mark("grad")
+        if new_layout is not None:
+            self._prepare(staged, new_layout, new_rank)
         return staged
 
     def cmd_switch_prepare(
@@ -544,7 +590,7 @@ class Worker:
         grad = self.grad_flat if flat is self.flat else extra.get("grad")
         # Freed after the pause (see worker_main), not in it.
         self._retired += [self.flat, self.params, self.grad_flat]
-        self._install(layout, rank, flat, step)
+        self._install(layout, rank, flat, step, extra.get("stage_model"))
         self.grad_flat = grad
         if "groups" in extra:
             self._old_groups += [g for g in (self.tp.group, self.dp_group) if g is not None]
@@ -579,7 +625,7 @@ class Worker:
     ) -> float:
         """Build state for (layout, rank) from per-rank checkpoint files, resharding on load."""
         t0 = time.perf_counter()
-        smap = shard_map(self.specs, self.n_blocks, layout, rank)
+        smap = self._smap(layout, rank)
         flat = self._alloc_state(smap.n_state_elems)
         step = 0
         for src, ts in plan.recvs_of(self.cfg.worker_id).items():
@@ -681,6 +727,8 @@ _PAUSE_COMMANDS = frozenset({"switch_commit", "build_groups", "join", "switch_ab
 commit replaced, which the first other command frees."""
 
 _UNDO_FIELDS = (
+    "stage",
+    "optimizer",
     "layout",
     "rank",
     "step",
@@ -705,19 +753,53 @@ class _Staging:
     error: BaseException | None = None
 
 
-def worker_main(conn: Connection, cfg: WorkerConfig) -> None:
+def make_worker(cfg: WorkerConfig) -> Worker:
+    """The worker for the job's kind: a user's nn.Module job, or a built-in functional preset."""
+    spec = JobSpec.model_validate_json(cfg.spec_json)
+    if not is_module_job(spec):
+        return Worker(cfg)
+    # Imported here: module_worker builds on this module's Worker.
+    from worker_agent.runtime.module_worker import ModuleWorker
+
+    return ModuleWorker(cfg)
+
+
+def _capture_output(path: str) -> None:
+    """Point file descriptors 1 and 2 at `path` (appending), line-buffered for Python's prints."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)  # noqa: SIM115
+
+
+def _error_status(exc: BaseException) -> str:
+    # "job_error": the job's own definition is at fault (the parent fails the job, no retry).
+    return "job_error" if isinstance(exc, JobSpecError) else "error"
+
+
+def worker_main(conn: Channel, cfg: WorkerConfig) -> None:
     """Entry point of a worker process: answer commands until `exit`."""
+    if cfg.log_path is not None:
+        _capture_output(cfg.log_path)
     torch.set_num_threads(1)
+    if cfg.socket_ifname is not None:
+        # Read when the first process group is created, i.e. after this point.
+        os.environ["GLOO_SOCKET_IFNAME"] = cfg.socket_ifname
+        os.environ["NCCL_SOCKET_IFNAME"] = cfg.socket_ifname
     try:
-        worker = Worker(cfg)
+        worker = make_worker(cfg)
     except Exception as exc:  # report start-up failures instead of dying silently
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send((_error_status(exc), f"{type(exc).__name__}: {exc}"))
         return
+    if cfg.log_path is not None:
+        joblog.bind(cfg.log_path + ".scalars", lambda: (worker.step, worker.rank))
     conn.send(("ok", os.getpid()))
     while True:
         try:
             cmd, kwargs = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the runner is gone (or, across nodes, unreachable)
             break
         if cmd == "exit":
             conn.send(("ok", None))
@@ -731,7 +813,12 @@ def worker_main(conn: Connection, cfg: WorkerConfig) -> None:
         try:
             conn.send(("ok", handler(**kwargs)))
         except Exception as exc:
-            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+            conn.send(
+                (
+                    _error_status(exc),
+                    f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}",
+                )
+            )
         # Arguments can map other processes' shared memory (a switch's peer buffers, a probe's
         # sources): holding them until the next command kept GBs alive and moved the unmapping
         # into the next command, i.e. into a switch's pause.

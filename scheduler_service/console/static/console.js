@@ -26,7 +26,11 @@
   function formatValue(value, unit) {
     if (value === null || value === undefined) return "—";
     var digits = Math.abs(value) >= 100 ? 0 : Math.abs(value) >= 10 ? 1 : 2;
-    return value.toLocaleString([], { maximumFractionDigits: digits }) + " " + unit;
+    // Small numbers (a learning rate) keep three significant digits.
+    var text = value !== 0 && Math.abs(value) < 0.1
+      ? value.toPrecision(3)
+      : value.toLocaleString([], { maximumFractionDigits: digits });
+    return unit ? text + " " + unit : text;
   }
 
   // x-axis ticks in the browser's locale and time zone: the time, and the date where it changes.
@@ -56,6 +60,9 @@
           ctx.lineWidth = dpr;
           ctx.setLineDash([4 * dpr, 3 * dpr]);
           ctx.font = 11 * dpr + "px system-ui, sans-serif";
+          // uPlot leaves the axes' alignment set: labels start at their line.
+          ctx.textAlign = "left";
+          ctx.textBaseline = "alphabetic";
           marks.forEach(function (mark, i) {
             var x = Math.round(u.valToPos(mark.x, "x", true));
             if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) return;
@@ -86,8 +93,12 @@
     var text = cssVar("--text");
     var grid = cssVar("--chart-grid");
     var scaleNames = Object.keys(spec.scales);
-    var scales = { x: { time: true } };
-    var axes = [{ stroke: text, grid: { stroke: grid }, ticks: { stroke: grid }, values: timeTicks, space: 90 }];
+    // x is Unix seconds, or (x_kind "step") a job's optimizer steps.
+    var bySteps = spec.x_kind === "step";
+    var scales = { x: { time: !bySteps } };
+    var axes = [bySteps
+      ? { stroke: text, grid: { stroke: grid }, ticks: { stroke: grid }, label: spec.compact ? undefined : "step" }
+      : { stroke: text, grid: { stroke: grid }, ticks: { stroke: grid }, values: timeTicks, space: 90 }];
     scaleNames.forEach(function (name, i) {
       var info = spec.scales[name];
       scales[name] = {
@@ -108,14 +119,17 @@
         size: 56
       });
     });
-    var series = [{
+    var series = [bySteps ? {
+      label: "Step",
+      value: function (u, v) { return v === null ? "—" : String(v); }
+    } : {
       label: "Time",
       value: function (u, v) { return v === null ? "—" : new Date(v * 1000).toLocaleString(); }
     }];
     spec.series.forEach(function (s) {
       var color = cssVar(s.color);
       series.push({
-        label: s.label + " (" + s.unit + ")",
+        label: s.unit ? s.label + " (" + s.unit + ")" : s.label,
         scale: s.scale,
         stroke: color,
         width: 2,
@@ -157,6 +171,8 @@
     });
     localizeTimes(root);
     root.querySelectorAll("[data-chart]").forEach(buildChart);
+    // A log tail is read from its newest line.
+    root.querySelectorAll("pre.log-tail").forEach(function (el) { el.scrollTop = el.scrollHeight; });
   }
 
   document.addEventListener("submit", function (event) {

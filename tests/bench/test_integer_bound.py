@@ -1,4 +1,4 @@
-"""The Lagrangian bound on whole-slot plans (integer_bound.py) against brute force."""
+"""The Lagrangian bound on whole-slot plans (bench/bounds/integer.py) against brute force."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.allocation.integer_bound import integer_bound
+from bench.bounds.integer import integer_bound
 from scheduler_service.allocation.problem import AllocationProblem
 from tests.allocation.test_properties import brute_force, problems
 

@@ -43,14 +43,14 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from energy_model.carbon.series import IntensitySeries
-from energy_model.profiles import ScalingProfile
-from scheduler_service.simulate.bounds import (
+from bench.bounds.fluid import (
     SEGMENTS,
     BoundError,
-    _all_limits,
+    all_job_limits,
     build_lp,
 )
+from energy_model.carbon.series import IntensitySeries
+from energy_model.profiles import ScalingProfile
 from scheduler_service.simulate.engine import CarbonClock, SimulationConfig, run_budget_periods
 from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 
@@ -231,7 +231,7 @@ def avg_jct_lagrangian_bound(
     clock = CarbonClock(series, config.pue)
     last_release = max(j.submission_s for j in jobs)
     until_s = last_release + 4 * (horizon_s - start_s)
-    limits = _all_limits(jobs, tables, clock, config, periods, start_s, until_s)
+    limits = all_job_limits(jobs, tables, clock, config, periods, start_s, until_s)
     model = build_lp(
         jobs, tables, clock, config, periods, start_s, horizon_s, SEGMENTS, limits, until_s
     )

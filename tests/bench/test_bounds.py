@@ -10,17 +10,18 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from bench.bounds.completion_mip import avg_jct_lower_bound_mip
+from bench.bounds.fluid import (
+    SEGMENTS,
+    avg_jct_lower_bound,
+    job_limits,
+)
+from bench.bounds.lagrangian import avg_jct_lagrangian_bound
 from energy_model.carbon.series import IntensitySeries, load_intensity_csv
 from energy_model.profiles import ScalingProfile, load_scaling_profiles
 from scheduler_service.allocation.policies import POLICIES
-from scheduler_service.simulate.bounds import (
-    SEGMENTS,
-    avg_jct_lower_bound,
-    avg_jct_lower_bound_mip,
-    job_limits,
-)
+from scheduler_service.allocation.snapshot import BudgetWindow
 from scheduler_service.simulate.engine import CarbonClock, SimulationConfig, simulate_trace
-from scheduler_service.simulate.lagrangian_bound import avg_jct_lagrangian_bound
 from scheduler_service.simulate.trace import TraceJob, job_tables, load_trace
 
 T0 = datetime(2021, 1, 1, tzinfo=UTC)
@@ -147,7 +148,7 @@ def test_job_floors_hold_for_any_schedule_within_the_windows(
             for a, b, c in runs
             if min(b, w_to) > max(a, w_from)
         )
-        windows.append((w_from, w_to, kg * k))
+        windows.append(BudgetWindow(w_from, w_to, kg * k))
     limits = job_limits(job, table, clock, windows, 43_200.0, fine_s=1.0)
     assert finish_s - release_s >= limits.earliest_jct_s - 1e-6
     assert done_integral >= limits.done_integral_s - 1e-6

@@ -75,6 +75,7 @@ from scipy.optimize import linprog
 
 from energy_model.carbon.series import IntensitySeries
 from energy_model.profiles import ScalingProfile
+from scheduler_service.allocation.snapshot import BudgetWindow
 from scheduler_service.simulate.engine import (
     PERIOD_S,
     CarbonClock,
@@ -146,7 +147,7 @@ def avg_jct_lower_bound(
     # Any schedule finishing a job after until_s has a JCT sum above until_s - last_release, so
     # the per-job floors need only hold for schedules finishing every job by until_s.
     until_s = last_release + 2 * (horizon_s - start_s)
-    limits = _all_limits(chosen, tables, clock, config, periods, start_s, until_s)
+    limits = all_job_limits(chosen, tables, clock, config, periods, start_s, until_s)
     result = _solve(
         chosen, tables, clock, config, periods, start_s, horizon_s, segments, limits, until_s
     )
@@ -161,7 +162,7 @@ def avg_jct_lower_bound(
         if result.bound_sum_s <= until_s - last_release:
             break
         until_s = last_release + 2 * result.bound_sum_s
-        limits = _all_limits(chosen, tables, clock, config, periods, start_s, until_s)
+        limits = all_job_limits(chosen, tables, clock, config, periods, start_s, until_s)
         result = _solve(
             chosen, tables, clock, config, periods, start_s, horizon_s, segments, limits, until_s
         )
@@ -183,7 +184,7 @@ def _first_horizon(
     tables: list[JobTables],
     clock: CarbonClock,
     config: SimulationConfig,
-    periods: list[tuple[float, float, float]],
+    periods: list[BudgetWindow],
     start_s: float,
 ) -> float:
     """A horizon end likely long enough (any is valid, see the module docstring): last release
@@ -202,7 +203,7 @@ def _first_horizon(
     if periods:
         kg_per_w_s = clock.kg_per_w(0.0, clock.span_s) / clock.span_s
         least_kg = joules * kg_per_w_s
-        first, end, share_kg = periods[0]
+        first, end, share_kg = periods[0].start_s, periods[0].end_s, periods[0].budget_kg
         length_s = end - first if math.isfinite(end) else math.inf
         if math.isfinite(length_s) and share_kg > 0:
             horizon += 1.5 * least_kg / share_kg * length_s + length_s
@@ -210,22 +211,22 @@ def _first_horizon(
 
 
 def _periods_until(
-    config: SimulationConfig, periods_in_span: list[tuple[float, float, float]], until_s: float
-) -> list[tuple[float, float, float]]:
+    config: SimulationConfig, periods_in_span: list[BudgetWindow], until_s: float
+) -> list[BudgetWindow]:
     """The run's budget periods, extended (each further one at the same share) past until_s."""
     periods = list(periods_in_span)
     if periods and config.budget_period in PERIOD_S:
         spent = [0.0] * len(periods)
-        _extend_periods(config, periods, spent, periods[0][2], until_s + PERIOD_S["day"])
+        _extend_periods(config, periods, spent, periods[0].budget_kg, until_s + PERIOD_S["day"])
     return periods
 
 
-def _all_limits(
+def all_job_limits(
     jobs: list[TraceJob],
     tables: list[JobTables],
     clock: CarbonClock,
     config: SimulationConfig,
-    periods_in_span: list[tuple[float, float, float]],
+    periods_in_span: list[BudgetWindow],
     start_s: float,
     until_s: float,
 ) -> list[JobLimits]:
@@ -249,7 +250,7 @@ class _Solved:
 
 def _boundaries(
     clock: CarbonClock,
-    windows: list[tuple[float, float, float]],
+    windows: list[BudgetWindow],
     start_s: float,
     horizon_s: float,
 ) -> np.ndarray:
@@ -262,8 +263,8 @@ def _boundaries(
         [
             *marks,
             np.array([start_s, horizon_s]),
-            np.array([w[0] for w in windows]),
-            np.array([w[1] for w in windows]),
+            np.array([w.start_s for w in windows]),
+            np.array([w.end_s for w in windows]),
         ]
     )
     edges = edges[(edges >= start_s) & (edges <= horizon_s) & np.isfinite(edges)]
@@ -275,29 +276,33 @@ def _boundaries(
 
 def _windows(
     config: SimulationConfig,
-    periods: list[tuple[float, float, float]],
+    periods: list[BudgetWindow],
     start_s: float,
     horizon_s: float,
     *,
     pairs: bool = True,
-) -> list[tuple[float, float, float]]:
+) -> list[BudgetWindow]:
     """(from_s, to_s, kg): emissions inside [from_s, to_s) are at most kg (module docstring);
     without `pairs` only each period's own window (disjoint, in time order)."""
     if not periods:
         return []
-    if not math.isfinite(periods[0][1]):
-        return [(start_s, horizon_s, periods[0][2])]
+    if not math.isfinite(periods[0].end_s):
+        return [BudgetWindow(start_s, horizon_s, periods[0].budget_kg)]
     margin = config.slot_s
     out = []
-    for i, (begin, end, share) in enumerate(periods):
-        if begin >= horizon_s:
+    for i, period in enumerate(periods):
+        if period.start_s >= horizon_s:
             break
-        left = begin + margin if i > 0 else begin
-        out.append((left, min(end - margin, horizon_s), share))
+        left = period.start_s + margin if i > 0 else period.start_s
+        out.append(BudgetWindow(left, min(period.end_s - margin, horizon_s), period.budget_kg))
         if pairs and i + 1 < len(periods):
-            after_end, after_share = periods[i + 1][1], periods[i + 1][2]
-            out.append((left, min(after_end - margin, horizon_s), share + after_share))
-    return [w for w in out if w[1] > w[0]]
+            after = periods[i + 1]
+            out.append(
+                BudgetWindow(
+                    left, min(after.end_s - margin, horizon_s), period.budget_kg + after.budget_kg
+                )
+            )
+    return [w for w in out if w.end_s > w.start_s]
 
 
 @dataclass(frozen=True)
@@ -348,7 +353,7 @@ def _solve(
     tables: list[JobTables],
     clock: CarbonClock,
     config: SimulationConfig,
-    periods_in_span: list[tuple[float, float, float]],
+    periods_in_span: list[BudgetWindow],
     start_s: float,
     horizon_s: float,
     segments: int,
@@ -384,7 +389,7 @@ def build_lp(
     tables: list[JobTables],
     clock: CarbonClock,
     config: SimulationConfig,
-    periods_in_span: list[tuple[float, float, float]],
+    periods_in_span: list[BudgetWindow],
     start_s: float,
     horizon_s: float,
     segments: int,
@@ -399,7 +404,9 @@ def build_lp(
     tail then costing job_ends[j] - release (still a bound, as for the horizon)."""
     periods = _periods_until(config, periods_in_span, horizon_s)
     windows = _windows(config, periods, start_s, horizon_s)
-    cuts = [] if extra_edges is None else [(float(t), float(t), 0.0) for t in extra_edges]
+    cuts = (
+        [] if extra_edges is None else [BudgetWindow(float(t), float(t), 0.0) for t in extra_edges]
+    )
     edges = _boundaries(clock, windows + cuts, start_s, horizon_s)
     begin, end = edges[:-1], edges[1:]
     length = end - begin
@@ -520,7 +527,8 @@ def build_lp(
     budget_rows: list[tuple[int, float, float, float]] = []
     # Budget rows: sum P kg_per_w x over the window's slots <= kg.
     power_kg = np.concatenate(x_power) * kg_per_w[slot_of_x]
-    for w_from, w_to, kg in windows:
+    for window in windows:
+        w_from, w_to, kg = window.start_s, window.end_s, window.budget_kg
         inside = (begin[slot_of_x] >= w_from - 1e-6) & (end[slot_of_x] <= w_to + 1e-6)
         if not inside.any():
             continue
@@ -568,7 +576,7 @@ def job_limits(
     job: TraceJob,
     table: JobTables,
     clock: CarbonClock,
-    windows: list[tuple[float, float, float]],
+    windows: list[BudgetWindow],
     until_s: float,
     *,
     fine_s: float = FINE_S,
@@ -589,7 +597,7 @@ def _stretches(
     job: TraceJob,
     table: JobTables,
     clock: CarbonClock,
-    windows: list[tuple[float, float, float]],
+    windows: list[BudgetWindow],
     release: float,
     until_s: float,
 ) -> list[Stretch]:
@@ -597,7 +605,8 @@ def _stretches(
     do inside each budget window (inf between windows, where only its top rate limits it)."""
     out: list[Stretch] = []
     cursor = release
-    for w_from, w_to, kg in sorted(windows):
+    for window in sorted(windows):
+        w_from, w_to, kg = window.start_s, window.end_s, window.budget_kg
         if w_to <= cursor or w_from >= until_s:
             continue
         if w_from > cursor:
@@ -719,220 +728,3 @@ def _least_done_integral_s(
             else:
                 pending.append((float(a), float(b)))
     return min(leaves, best)
-
-
-@dataclass(frozen=True)
-class MipJctBound:
-    """`avg_jct_lower_bound_mip`'s answer: the MIP's best bound, whether or not it closed."""
-
-    avg_jct_s: float  # the bound: min(MIP dual bound, until_s - last release) / jobs
-    lp_avg_jct_s: float  # the plain LP's bound on the same slots (avg_jct_lower_bound's terms)
-    incumbent_avg_jct_s: float | None  # the best MIP solution found (not a bound), if any
-    closed: bool  # the MIP was solved to its gap (else stopped at the time limit)
-    mip_gap: float | None
-    nodes: int | None
-    binary_jobs: int
-    binaries: int
-    variables: int
-    horizon_s: float
-    segment_s: float
-    solve_s: float
-
-
-def avg_jct_lower_bound_mip(
-    jobs: list[TraceJob],
-    series: IntensitySeries,
-    profiles: dict[str, ScalingProfile],
-    config: SimulationConfig,
-    *,
-    binary_jobs: Collection[str] | None = None,
-    segment_s: float = 6 * 3600.0,
-    horizon_s: float,
-    time_limit_s: float = 600.0,
-    job_span_s: float | None = None,
-    full_horizon_jobs: Collection[str] | None = None,
-    segments: int = SEGMENTS,
-    display: bool = False,
-) -> MipJctBound:
-    """The LP of `avg_jct_lower_bound` plus completion integrality for `binary_jobs` (None:
-    all), solved as a MIP; the answer is the MIP's dual (best) bound, valid when stopped early.
-    `job_span_s`: the slots of jobs not in `full_horizon_jobs` end that long after their release
-    (build_lp's job_ends; a binary job's last segment then ends there, and not being done by
-    then costs it that span, which its JCT then exceeds).
-
-    Segment ends T_k are start_s + k * segment_s (and the horizon); slots are also cut there.
-    For a job j with binaries, per segment k of [r, H] (length L_k after r):
-    - F_k = the work fraction done by T_k (the sum of the LP's per-slot progress);
-    - z_k binary, z_k <= F_k, z_k <= z_(k+1): in a replay z_k = [C <= T_k] satisfies both (a job
-      done by T_k has F_k = 1), and z_k = 0 where T_k is before its earliest finish;
-    - JCT >= sum_k L_k (1 - z_k): with z the true indicator the sum is T_(k*-1) - r <= C - r,
-      k* the segment the job finishes in (H - r when it finishes past H);
-    - JCT >= (the LP's undone-work term) + sum_k W_k, W_k >= 0,
-      W_k >= L_k F_(k-1) + sum_(s in k) y_s (the time left in k after slot s) - L_k z_k:
-      C - r = int_r^C (1 - f) + int_r^C f; the first is at least the undone-work term (module
-      docstring); for each segment k entirely before C (z_k = 0), int over k of f is at least
-      sum over its slots s of (slot time after r) * (f at the slot's start) = the expression
-      with z_k = 0; where z_k = 1 the expression is <= 0 (F <= 1), so W_k = max(0, expr) is
-      at most int over k of f, and the segments before C are disjoint parts of [r, C).
-    Every replay within the budget finishing every job by until_s therefore maps to a feasible
-    point of the MIP with objective <= its JCT sum, as for the LP; later finishes are covered by
-    min(., until_s - last release) as in `avg_jct_lower_bound`. The MIP's dual bound comes from
-    HiGHS (primal feasibility tolerances apply: unlike the LP it is not re-derived from duals).
-    """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
-    start_s, _, periods = run_budget_periods(config, jobs)
-    tables = [job_tables(j, profiles, config.capacity_gpus) for j in jobs]
-    clock = CarbonClock(series, config.pue)
-    began = time.perf_counter()
-    last_release = max(j.submission_s for j in jobs)
-    until_s = last_release + 4 * (horizon_s - start_s)
-    limits = _all_limits(jobs, tables, clock, config, periods, start_s, until_s)
-    count = math.ceil((horizon_s - start_s) / segment_s)
-    grid = np.array([start_s + k * segment_s for k in range(1, count)] + [horizon_s])
-    # Jobs without binaries get their own horizon (their tail past it costs its distance from
-    # the release and uses nothing: a relaxation, see build_lp), to keep the model small.
-    job_ends = [
-        horizon_s
-        if job_span_s is None or (full_horizon_jobs is not None and job.job_id in full_horizon_jobs)
-        else min(horizon_s, job.submission_s + job_span_s)
-        for job in jobs
-    ]
-    model = build_lp(
-        jobs,
-        tables,
-        clock,
-        config,
-        periods,
-        start_s,
-        horizon_s,
-        segments,
-        limits,
-        until_s,
-        np.concatenate([grid, job_ends]),
-        job_ends,
-    )
-    edges = model.edges
-    begin, end = edges[:-1], edges[1:]
-    n_var = len(model.c)
-    extra_lb: list[float] = []
-    extra_ub: list[float] = []
-    extra_int: list[int] = []
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    row_lb: list[float] = []
-    row_ub: list[float] = []
-
-    def new_var(lo: float, hi: float, integer: bool = False) -> int:
-        nonlocal n_var
-        extra_lb.append(lo)
-        extra_ub.append(hi)
-        extra_int.append(1 if integer else 0)
-        n_var += 1
-        return n_var - 1
-
-    def add_row(entries: list[tuple[int, float]], lo: float, hi: float) -> None:
-        r = len(row_lb)
-        for col, val in entries:
-            rows.append(r)
-            cols.append(col)
-            vals.append(val)
-        row_lb.append(lo)
-        row_ub.append(hi)
-
-    chosen = 0
-    binaries = 0
-    for job, limit, jc in zip(jobs, limits, model.jobs, strict=True):
-        if binary_jobs is not None and job.job_id not in binary_jobs:
-            continue
-        chosen += 1
-        release = job.submission_s
-        earliest = release + limit.earliest_jct_s
-        job_end = float(edges[jc.end_slot])
-        seg_ends = [float(t) for t in grid if release < t < job_end - 1e-3] + [job_end]
-        seg_starts = [release, *seg_ends[:-1]]
-        slot_ids = np.arange(jc.first_slot, jc.end_slot)
-        after = np.maximum(begin[slot_ids], release)
-        slot_time = np.maximum(end[slot_ids] - after, 0.0)
-        f_prev: int | None = None
-        z_prev: int | None = None
-        completion: list[tuple[int, float]] = []
-        total_len = 0.0
-        w_cols: list[int] = []
-        for seg_from, seg_to in zip(seg_starts, seg_ends, strict=True):
-            length = seg_to - seg_from
-            inside = np.nonzero(
-                (end[slot_ids] > seg_from + 1e-6) & (end[slot_ids] <= seg_to + 1e-6)
-            )[0]
-            f_col = new_var(0.0, 1.0)
-            z_col = new_var(0.0, 0.0 if seg_to < earliest - 1e-6 else 1.0, integer=True)
-            w_col = new_var(0.0, length)
-            binaries += 1
-            # F_k = F_(k-1) + progress in the segment's slots.
-            entries = [(f_col, 1.0)] + ([(f_prev, -1.0)] if f_prev is not None else [])
-            # Time in the segment after each slot (for f at the slot's start, weighted).
-            times = slot_time[inside]
-            later = np.concatenate([np.cumsum(times[::-1])[::-1][1:], [0.0]])
-            w_entries: list[tuple[int, float]] = [(w_col, -1.0), (z_col, -length)]
-            if f_prev is not None:
-                w_entries.append((f_prev, length))
-            for i, t_after in zip(inside, later, strict=True):
-                for col in jc.progress[i]:
-                    entries.append((int(col), -1.0))
-                    if t_after > 0:
-                        w_entries.append((int(col), float(t_after)))
-            add_row(entries, 0.0, 0.0)
-            add_row([(z_col, 1.0), (f_col, -1.0)], -np.inf, 0.0)
-            if z_prev is not None:
-                add_row([(z_prev, 1.0), (z_col, -1.0)], -np.inf, 0.0)
-            add_row(w_entries, -np.inf, 0.0)
-            completion.append((z_col, -length))
-            total_len += length
-            w_cols.append(w_col)
-            f_prev, z_prev = f_col, z_col
-        add_row([(jc.jct, -1.0), *completion], -np.inf, -total_len)
-        undone = [(int(c), float(v)) for c, v in zip(jc.undone_cols, jc.undone_vals, strict=True)]
-        add_row([(jc.jct, -1.0), *undone, *((w, 1.0) for w in w_cols)], -np.inf, 0.0)
-    n_extra = len(extra_lb)
-    base_vars = len(model.c)
-    c_vec = np.concatenate([model.c, np.zeros(n_extra)])
-    a_ub = sp.hstack([model.a_ub, sp.csr_array((model.a_ub.shape[0], n_extra))])
-    a_eq = sp.hstack([model.a_eq, sp.csr_array((model.a_eq.shape[0], n_extra))])
-    a_new = sp.csr_array((vals, (rows, cols)), shape=(len(row_lb), n_var))
-    constraints = [
-        LinearConstraint(a_ub, -np.inf, model.b_ub),
-        LinearConstraint(a_eq, model.b_eq, model.b_eq),
-        LinearConstraint(a_new, np.array(row_lb), np.array(row_ub)),
-    ]
-    integrality = np.concatenate([np.zeros(base_vars), np.array(extra_int)])
-    bounds = Bounds(
-        np.concatenate([model.lb, np.array(extra_lb)]),
-        np.concatenate([model.ub, np.array(extra_ub)]),
-    )
-    lp = model.solve()
-    res = milp(
-        c_vec,
-        constraints=constraints,
-        integrality=integrality,
-        bounds=bounds,
-        options={"time_limit": time_limit_s, "disp": display},
-    )
-    dual = getattr(res, "mip_dual_bound", None)
-    if dual is None or not math.isfinite(dual):
-        raise BoundError(f"JCT bound MIP gave no dual bound (status {res.status}: {res.message})")
-    n = len(jobs)
-    return MipJctBound(
-        avg_jct_s=float(min(dual, until_s - last_release) / n),
-        lp_avg_jct_s=float(lp.fun / n) if lp.status == 0 else math.nan,
-        incumbent_avg_jct_s=float(res.fun / n) if res.x is not None else None,
-        closed=res.status == 0,
-        mip_gap=getattr(res, "mip_gap", None),
-        nodes=getattr(res, "mip_node_count", None),
-        binary_jobs=chosen,
-        binaries=binaries,
-        variables=n_var,
-        horizon_s=horizon_s,
-        segment_s=segment_s,
-        solve_s=time.perf_counter() - began,
-    )

@@ -1,0 +1,125 @@
+"""Planning a hard budget against forecast uncertainty: the upper quantile per slot (issue 22)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pytest
+
+from energy_model.carbon.forecast import CarbonForecast, ForecastPoint, PointKind, Signal
+from energy_model.carbon.series import load_intensity_csv
+from energy_model.profiles import load_scaling_profiles
+from scheduler_service.planning import JobModels, SnapshotRows, assemble_snapshot
+from scheduler_service.settings import GreenflowConfig
+from scheduler_service.simulate.engine import (
+    SimulationConfig,
+    forecast_upper_factor,
+    measured_log_std,
+    simulate_trace,
+)
+from scheduler_service.simulate.trace import load_trace
+from tests.service.test_snapshot import NOW
+from tests.simulate.test_simulate import write_profiles, write_series, write_trace
+
+
+def _config(enforcement: str, team_enforcement: str | None = None) -> GreenflowConfig:
+    budget: dict[str, object] = {"period": "day", "limit_kg_co2e": 10.0, "enforcement": enforcement}
+    if team_enforcement is not None:
+        budget["teams"] = {
+            "nlp": {"queues": ["a"], "limit_kg_co2e": 1.0, "enforcement": team_enforcement}
+        }
+    return GreenflowConfig.model_validate(
+        {"budget": budget, "carbon": {"provider": "synthetic"}, "planner": {"slot_s": 3600}}
+    )
+
+
+def _forecast() -> CarbonForecast:
+    """Now measured at 200 g/kWh; 300 forecast for the next hour, its q0.8 upper 330."""
+    return CarbonForecast(
+        region="test",
+        source="test",
+        signal=Signal.AVERAGE,
+        fetched_at=NOW,
+        points=(
+            ForecastPoint(
+                at=NOW, intensity_g_per_kwh=200.0, kind=PointKind.MEASURED, upper_g_per_kwh=200.0
+            ),
+            ForecastPoint(
+                at=NOW + timedelta(hours=1),
+                intensity_g_per_kwh=300.0,
+                kind=PointKind.FORECAST,
+                upper_g_per_kwh=330.0,
+            ),
+        ),
+        upper_quantile=0.8,
+    )
+
+
+def _planned_intensity(config: GreenflowConfig) -> tuple[float, ...]:
+    rows = SnapshotRows(now=NOW, node_gpus=(4,), chosen=(), unplaceable={}, windows=())
+    planning = assemble_snapshot(rows, config, _forecast(), JobModels())
+    return planning.problem.intensity_g_per_kwh[:2]
+
+
+def test_a_hard_budget_plans_with_the_forecasts_upper_quantile() -> None:
+    assert _planned_intensity(_config("hard")) == (200.0, 330.0)
+    # A team's hard budget under a soft cluster budget is planned the same way.
+    assert _planned_intensity(_config("soft", team_enforcement="hard")) == (200.0, 330.0)
+    # Only priced, never bound: the forecast itself.
+    assert _planned_intensity(_config("soft")) == (200.0, 300.0)
+
+
+@pytest.mark.parametrize("noise", ["flat", "measured"])
+def test_the_simulators_upper_factor_is_exceeded_one_time_in_five(
+    noise: Literal["flat", "measured"],
+) -> None:
+    config = SimulationConfig(
+        policy="greenflow", num_nodes=1, gpus_per_node=1, forecast_noise=noise, forecast_error=0.2
+    )
+    draws = np.random.default_rng(0).standard_normal(200_000)
+    for horizon_h in (1, 24):
+        if noise == "flat":
+            actual_over_forecast = 1.0 / (1.0 + 0.2 * draws)
+        else:
+            actual_over_forecast = np.exp(0.2 * measured_log_std(horizon_h) * draws)
+        factor = forecast_upper_factor(config, 0.8, horizon_h)
+        assert factor > 1.0
+        assert float((actual_over_forecast > factor).mean()) == pytest.approx(0.2, abs=0.005)
+
+
+def test_the_quantile_plan_keeps_a_hard_budget_the_point_plan_overspends(tmp_path: Path) -> None:
+    # Six jobs on one 4-GPU node under half the uncapped run's emissions a day, 20 % flat
+    # forecast noise, and no budget watchdog: the plans alone must hold the budget.
+    profiles = load_scaling_profiles(write_profiles(tmp_path))
+    series = load_intensity_csv(write_series(tmp_path, [400.0, 50.0, 250.0, 120.0] * 12))
+    rows = [f"j{i},{i * 600},{36000 * (1 + i % 3)},toy,,32,2,3600" for i in range(6)]
+    jobs = load_trace(write_trace(tmp_path, rows))
+    base = SimulationConfig(policy="greenflow", num_nodes=1, gpus_per_node=4, horizon_slots=12)
+    free = simulate_trace(jobs, series, profiles, base)
+    noisy = replace(
+        base,
+        budget_kg=free.emissions_kg * 0.5,
+        budget_period="day",
+        forecast_error=0.2,
+        ideal_watchdog=False,
+        seed=1,
+    )
+    point = simulate_trace(jobs, series, profiles, noisy)
+    upper = simulate_trace(jobs, series, profiles, replace(noisy, forecast_quantile=0.8))
+    # The point plan filled a day's budget at a forecast below what the grid then did.
+    assert point.budget_violations == 1 and point.budget_overshoot_kg > 1e-4
+    assert upper.budget_violations == 0 and upper.budget_overshoot_kg == 0.0
+    assert point.finished == upper.finished == len(jobs)
+    # Without forecast error the quantile is the forecast itself: the same replay.
+    exact = replace(noisy, forecast_error=0.0)
+    same = [
+        simulate_trace(jobs, series, profiles, replace(exact, forecast_quantile=q))
+        for q in (None, 0.8)
+    ]
+    assert [(r.emissions_kg, r.avg_jct_s, r.budget_violations) for r in same] == [
+        (same[0].emissions_kg, same[0].avg_jct_s, 0)
+    ] * 2

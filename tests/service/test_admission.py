@@ -1,0 +1,236 @@
+"""Admission: incremental against the plan in force, one check at a time, no query per job."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+import scheduler_service.admission as admission_module
+from scheduler_service.admission import Admission
+from scheduler_service.allocation.admission import HeldGpus, admit_on_spare
+from scheduler_service.allocation.problem import (
+    AllocationProblem,
+    BudgetMode,
+    BudgetPeriod,
+    JobSpec,
+)
+from scheduler_service.auth.service import Principal, Role
+from scheduler_service.control_loop import ControlLoop
+from scheduler_service.db.base import utcnow
+from scheduler_service.db.models import GpuSlot, Job, Node
+from scheduler_service.db.session import make_engine, make_session_factory, transaction
+from scheduler_service.jobs import service
+from scheduler_service.jobs.schemas import JobSpec as JobRequest
+from scheduler_service.jobs.states import JobState
+from scheduler_service.settings import GreenflowConfig
+from tests.api.conftest import database_url, postgres_server  # noqa: F401
+from tests.service.test_snapshot import _count_selects
+
+T0 = datetime(2026, 6, 1, 12, tzinfo=UTC)
+SLOT_S = 600.0
+
+
+def _spec(job_id: str, deadline_s: float | None, samples: float = 6_000.0) -> JobSpec:
+    # 10 samples/s on one GPU, 18 on two.
+    return JobSpec(
+        job_id=job_id,
+        allowed_gpus=(1, 2),
+        throughput_samples_per_s=(10.0, 18.0),
+        power_w=(300.0, 600.0),
+        remaining_samples=samples,
+        deadline_s=deadline_s,
+    )
+
+
+def _problem(*jobs: JobSpec, **fields: Any) -> AllocationProblem:
+    base: dict[str, Any] = {
+        "start_at": T0,
+        "slot_s": SLOT_S,
+        "capacity_gpus": (4,) * 6,
+        "intensity_g_per_kwh": (100.0,) * 6,
+        "jobs": jobs,
+    }
+    return AllocationProblem(**(base | fields))
+
+
+def test_a_deadline_is_admitted_on_what_the_plan_leaves_without_moving_other_jobs() -> None:
+    # The plan holds 3 of 4 GPUs for two slots: "a" (1 GPU) and "b" (2 GPUs), both with a
+    # deadline, and the last one for "c", which has none (so it yields to a new deadline).
+    plan = HeldGpus(
+        T0,
+        SLOT_S,
+        {"a": (1, 1, 0, 0, 0, 0), "b": (2, 2, 2, 0, 0, 0), "c": (1, 1, 1, 1, 1, 1)},
+    )
+    a, b, c = _spec("a", 1_300.0, 12_000.0), _spec("b", 3_000.0, 30_000.0), _spec("c", None)
+    # 15,000 samples by 1,800 s: one GPU for two slots (6,000 each), then two (10,800).
+    new = _spec("new", 1_800.0, 15_000.0)
+    fast = admit_on_spare(_problem(a, b, c), new, plan)
+    assert fast is not None
+    decision, held = fast
+    assert decision.admitted and decision.guaranteed
+    assert held.start_at == T0 and held.gpus["new"][:3] == (1, 1, 2)
+    # Too much work for what is left before the deadline: only a full solve can tell.
+    assert admit_on_spare(_problem(a, b, c), _spec("new", 1_800.0, 30_000.0), plan) is None
+    # A promise made since the plan (its job not listed yet) counts like the plan.
+    taken = HeldGpus(T0, SLOT_S, {"e": (1, 1, 1, 1, 1, 1)})
+    assert admit_on_spare(_problem(a, b, c), new, plan, (taken,)) is None
+    # A deadline job the plan does not hold: its promise is unknown here.
+    assert admit_on_spare(_problem(a, b, c, _spec("d", 3_000.0)), new, plan) is None
+    # The plan's next slot boundary came and went: its rows move with the clock.
+    later = _problem(a, b, c, start_at=T0 + timedelta(seconds=2 * SLOT_S))
+    shifted = admit_on_spare(later, _spec("new", 1_200.0, 6_000.0), plan)
+    assert shifted is not None and shifted[1].gpus["new"][0] == 2
+    # A hard budget the plan already spends: the new job's kg must fit what is left.
+    spent = BudgetPeriod(0.0, 6 * SLOT_S, budget_left_kg=0.0)
+    hard = _problem(a, b, c, budget_periods=(spent,), budget_mode=BudgetMode.HARD)
+    assert admit_on_spare(hard, new, plan) is None
+
+
+def _config() -> GreenflowConfig:
+    return GreenflowConfig.model_validate(
+        {
+            "budget": {"period": "day", "limit_kg_co2e": 100.0, "enforcement": "soft"},
+            "carbon": {"provider": "synthetic", "conservative_intensity_g_per_kwh": 300},
+            "planner": {"slot_s": 600, "horizon_s": 14_400, "solver_time_limit_s": 1.0},
+        }
+    )
+
+
+def _queued(factory: sessionmaker[Session], count: int, first: int) -> None:
+    now = utcnow()
+    with transaction(factory) as session:
+        for i in range(first, first + count):
+            session.add(
+                Job(
+                    owner="bob",
+                    name=f"q{i}",
+                    workload="resnet50",
+                    global_batch_size=256,
+                    total_samples=50_000_000,
+                    min_gpus=1,
+                    max_gpus=1,
+                    state=JobState.QUEUED.value,
+                    state_reason="submitted",
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+
+
+def _request(name: str) -> JobRequest:
+    return JobRequest.model_validate(
+        {
+            "name": name,
+            "workload": "resnet50",
+            "global_batch_size": 256,
+            "total_samples": 256_000,
+            "min_gpus": 1,
+            "max_gpus": 2,
+            "deadline": (utcnow() + timedelta(hours=3)).isoformat(),
+        }
+    )
+
+
+def test_a_burst_is_admitted_one_at_a_time_on_the_plan_in_force_without_a_solve(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    config = _config()
+    with transaction(factory) as session:
+        node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=utcnow())
+        session.add(node)
+        session.flush()
+        session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(8))
+    # Three long queued jobs of one GPU each, without deadlines: promises may take their GPUs.
+    _queued(factory, 3, 0)
+    loop = ControlLoop(config, factory, engine)
+
+    async def tick() -> None:
+        try:
+            await loop.tick()
+        finally:
+            await loop.agents.aclose()
+
+    admission = Admission(config, lambda: loop.previous)
+    alice = Principal(name="alice", role=Role.USER, token_id="t")
+
+    def submit(name: str) -> None:
+        with transaction(factory) as session:
+            service.submit_job(session, alice, _request(name), config, admission)
+
+    def selects_of_one_check(name: str) -> int:
+        with _count_selects(engine) as selects:
+            submit(name)
+        return len(selects)
+
+    try:
+        asyncio.run(tick())
+        assert loop.previous is not None
+        threads = [threading.Thread(target=submit, args=(f"burst{i}",)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        with transaction(factory) as session:
+            states = list(session.scalars(select(Job.state).where(Job.name.like("burst%"))))
+        assert states == [JobState.QUEUED.value] * 8
+        # Eight deadlines checked against the plan and each other's promises: no solve, and
+        # never two checks at once.
+        assert admission.stats.checks == 8
+        assert admission.stats.solves == 0
+        assert admission.stats.most_at_once == 1
+        assert 1 <= admission.stats.snapshots <= 8
+        # Ten times the queued jobs, the same number of SELECTs per check (none per job), each
+        # check on a snapshot of its own.
+        admission.snapshot_reuse_s = 0.0
+        selects_of_one_check("warm")
+        few = selects_of_one_check("few")
+        _queued(factory, 30, 3)
+        selects_of_one_check("warm-more")
+        many = selects_of_one_check("many")
+        assert many == few
+    finally:
+        engine.dispose()
+
+
+def test_a_full_solve_runs_outside_the_request_transaction(
+    database_url: str,  # noqa: F811 (fixture)
+    monkeypatch: Any,
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    config = _config()
+    with transaction(factory) as session:
+        node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=utcnow())
+        session.add(node)
+        session.flush()
+        session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(8))
+    # No plan in force: the incremental check cannot tell, admission solves.
+    admission = Admission(config)
+    alice = Principal(name="alice", role=Role.USER, token_id="t")
+    seen: list[bool] = []
+    real_admit = admission_module.admit
+
+    try:
+        with transaction(factory) as session:
+
+            def spying_admit(*args: Any, **kwargs: Any) -> Any:
+                seen.append(session.in_transaction())
+                return real_admit(*args, **kwargs)
+
+            monkeypatch.setattr(admission_module, "admit", spying_admit)
+            result = service.submit_job(session, alice, _request("solved"), config, admission)
+        assert admission.stats.solves == 1
+        assert seen == [False]
+        assert result.created
+        with transaction(factory) as session:
+            stored = session.scalars(select(Job).where(Job.name == "solved")).one()
+            assert stored.state == JobState.QUEUED.value
+    finally:
+        engine.dispose()

@@ -1,0 +1,140 @@
+"""Placement properties over random clusters and plans (hypothesis).
+
+No placement exceeds any node: every slot it names exists on a ready node and is given to one
+job at most. No count is lowered silently: a job gets at most its target, and fewer only with a
+reason. Running jobs keep their slots (they grow around them or shrink within them). Parts on
+several nodes hold whole tensor-parallel groups, and a job only spans onto nodes that may be
+spanned (their agents reach each other).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.placement import NodeSlots, Placement, place_jobs
+
+
+@dataclass
+class Case:
+    nodes: list[NodeSlots]
+    targets: dict[int, int]
+    current: dict[int, Placement]
+    allowed: dict[int, tuple[int, ...]]
+    tp: dict[int, int]
+    order: list[int]
+    span_nodes: bool
+    spannable: set[int] | None = None
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    sizes = draw(st.lists(st.integers(1, 8), min_size=1, max_size=5))
+    nodes = [NodeSlots(i + 1, tuple(range(k))) for i, k in enumerate(sizes)]
+    span_nodes = draw(st.booleans())
+    free = {n.node_id: list(n.slot_indices) for n in nodes}
+    jobs = list(range(100, 100 + draw(st.integers(0, 6))))
+    targets: dict[int, int] = {}
+    current: dict[int, Placement] = {}
+    allowed: dict[int, tuple[int, ...]] = {}
+    tp: dict[int, int] = {}
+    for job in jobs:
+        t = draw(st.sampled_from([1, 2, 4])) if span_nodes else 1
+        tp[job] = t
+        targets[job] = draw(st.integers(0, 12))
+        allowed[job] = tuple(sorted(draw(st.sets(st.integers(1, 12), max_size=6))))
+        where = draw(st.sampled_from(["none", "here", "lost"]))
+        if where == "lost":  # placed on a node that is no longer ready
+            current[job] = Placement(99, (0,))
+        elif where == "here":
+            parts = []
+            for node_id in draw(st.permutations(list(free)))[: 3 if span_nodes else 1]:
+                n = min(len(free[node_id]), draw(st.integers(1, 4)))
+                n -= n % t
+                if n:
+                    parts.append((node_id, tuple(free[node_id][:n])))
+                    del free[node_id][:n]
+            if parts:
+                (node_id, slots), *others = parts
+                current[job] = Placement(node_id, slots, tuple(others))
+    order = draw(st.permutations(jobs))
+    spannable = draw(st.none() | st.sets(st.sampled_from([n.node_id for n in nodes])))
+    return Case(nodes, targets, current, allowed, tp, list(order), span_nodes, spannable)
+
+
+@settings(max_examples=400, deadline=None)
+@given(cases())
+def test_no_placement_exceeds_a_node_and_nothing_is_lowered_silently(case: Case) -> None:
+    placed = place_jobs(
+        case.targets,
+        case.current,
+        case.nodes,
+        case.allowed,
+        case.order,
+        tp=case.tp,
+        span_nodes=case.span_nodes,
+        spannable=case.spannable,
+    )
+    slots_of = {n.node_id: set(n.slot_indices) for n in case.nodes}
+    used: set[tuple[int, int]] = set()
+    for job, target in case.targets.items():
+        p = placed.placements[job]
+        for node_id, slots in p.parts:
+            assert node_id in slots_of, (job, p)
+            assert set(slots) <= slots_of[node_id], (job, p)
+            for index in slots:
+                assert (node_id, index) not in used, (job, p)
+                used.add((node_id, index))
+            if len(p.parts) > 1:
+                assert len(slots) % case.tp[job] == 0, (job, p)
+                old_parts = case.current[job].parts if job in case.current else ()
+                # A node the job did not span before is one that may be spanned.
+                assert (
+                    case.spannable is None
+                    or node_id in case.spannable
+                    or node_id in {n for n, _ in old_parts}
+                ), (job, p, case.spannable)
+        if not case.span_nodes:
+            assert len(p.parts) <= 1
+        assert p.gpus <= target
+        assert (p.gpus < target) == (job in placed.short), (job, p, placed.short)
+        old = case.current.get(job)
+        if old is not None and old.node_id in slots_of and target > 0:
+            before = {(n, i) for n, s in old.parts for i in s}
+            after = {(n, i) for n, s in p.parts for i in s}
+            assert before <= after or after <= before, (job, old, p)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 8), min_size=1, max_size=5),
+    st.lists(st.integers(1, 12), max_size=6),
+)
+def test_spanning_nodes_places_every_count_the_pooled_capacity_holds(
+    sizes: list[int], wanted: list[int]
+) -> None:
+    nodes = [NodeSlots(i + 1, tuple(range(k))) for i, k in enumerate(sizes)]
+    total = sum(sizes)
+    targets: dict[int, int] = {}
+    for job, want in enumerate(wanted):
+        if sum(targets.values()) + want <= total:
+            targets[job] = want
+    allowed = {job: tuple(range(1, 13)) for job in targets}
+    placed = place_jobs(targets, {}, nodes, allowed, list(targets), span_nodes=True)
+    assert {job: p.gpus for job, p in placed.placements.items()} == targets
+    assert placed.short == {}
+
+
+def test_a_job_spans_only_nodes_that_may_be_spanned_and_else_takes_the_largest_node() -> None:
+    nodes = [NodeSlots(1, tuple(range(6))), NodeSlots(2, (0, 1)), NodeSlots(3, (0, 1))]
+    allowed = {7: tuple(range(1, 9))}
+    # Nodes 2 and 3 reach each other, node 1 does not: 4 GPUs spanned < 6 on node 1 alone.
+    placed = place_jobs({7: 8}, {}, nodes, allowed, [7], span_nodes=True, spannable={2, 3})
+    assert placed.placements[7] == Placement(1, tuple(range(6)))
+    assert "6 placed" in placed.short[7]
+    # All three may be spanned: the whole 8, node 1 first (the most free).
+    placed = place_jobs({7: 8}, {}, nodes, allowed, [7], span_nodes=True)
+    assert placed.placements[7] == Placement(1, tuple(range(6)), ((2, (0, 1)),))
+    assert placed.short == {}
