@@ -505,7 +505,7 @@ class Agent:
             if set(slots) == set(job.slot_indices) and _remote_slots(cmd.remote) == _remote_slots(
                 job.remote
             ):
-                return job.ack(cmd.generation)
+                return job.ack(cmd.generation, started=False)
             self._cut(job)
             report, sample = job.resize(slots, cmd.remote)
             if sample is not None:

@@ -188,8 +188,11 @@ class ManagedJob:
             job_error=self.job_error,
         )
 
-    def ack(self, generation: int, report: SwitchReport | None = None) -> AllocationAck:
-        """The acknowledgement of the command that produced the current allocation."""
+    def ack(
+        self, generation: int, report: SwitchReport | None = None, *, started: bool = True
+    ) -> AllocationAck:
+        """The acknowledgement of the command that produced the current allocation (`started`:
+        that command started the run, rather than finding it already on these slots)."""
         return AllocationAck(
             job_id=self.job_id,
             generation=generation,
@@ -200,7 +203,7 @@ class ManagedJob:
             hot_switch=report is not None,
             switch_s=None if report is None else report.switch_s,
             bytes_moved=None if report is None else report.bytes_moved,
-            resumed_from=None if report is not None else self.resumed_from,
+            resumed_from=self.resumed_from if report is None and started else None,
         )
 
     # ----- commands (caller holds self.lock) ------------------------------------------------

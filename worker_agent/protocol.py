@@ -318,7 +318,8 @@ class AllocationAck(_Wire):
     switch_s: float | None = None
     bytes_moved: int | None = None
     # Where a (re)started run's state came from: "start" (step 0), "memory" (the pause
-    # snapshot) or "checkpoint@step<N>" (shared storage); None for a hot switch.
+    # snapshot) or "checkpoint@step<N>" (shared storage); None for a hot switch or a command
+    # that found the job already running on exactly its slots.
     resumed_from: str | None = None
 
 

@@ -514,7 +514,7 @@ def record_ack(session: Session, allocation_id: int, ack: AllocationAck | None) 
                 },
             )
         )
-    else:
+    elif ack.resumed_from is not None:  # None: the job was already running on these slots
         jobs.add_event(
             JobEvent(
                 job_id=job.id,

@@ -334,7 +334,14 @@ def test_dead_worker_fails_the_job_and_frees_its_slot(node: Node) -> None:
     retried = node.allocate(4, 2, [1])
     assert retried.status_code == 200, retried.text
     assert retried.json()["step"] == 0 and pid not in retried.json()["worker_pids"]
-    assert node.http.post("/jobs/4/stop", json={"job_id": 4, "generation": 3}).status_code == 200
+    assert retried.json()["resumed_from"] == "start"
+    # A newer generation on exactly the slots it runs on changes nothing: the ack says no run
+    # started (the scheduler records no new start), the same workers go on.
+    same = node.allocate(4, 3, [1])
+    assert same.status_code == 200, same.text
+    assert same.json()["resumed_from"] is None and not same.json()["hot_switch"]
+    assert same.json()["worker_pids"] == retried.json()["worker_pids"]
+    assert node.http.post("/jobs/4/stop", json={"job_id": 4, "generation": 4}).status_code == 200
     wait_gone(retried.json()["worker_pids"])
 
 

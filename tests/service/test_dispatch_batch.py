@@ -109,7 +109,7 @@ def test_answers_recorded_together_read_their_commands_and_jobs_in_a_fixed_numbe
             jobs = {a.id: a.job_id for a in session.scalars(select(Allocation))}
         outcomes = [
             _Outcome(i, AllocationAck(job_id=jobs[i], generation=1, gpus=1, layout=None,
-                                      step=0, worker_pids=[1]), None)
+                                      step=0, worker_pids=[1], resumed_from="start"), None)
             for i in ids
         ]  # fmt: skip
         with _count_selects(engine) as selects:
