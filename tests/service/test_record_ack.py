@@ -60,9 +60,9 @@ def test_a_command_that_changes_nothing_records_no_new_start(
             record_ack(session, second, ack(2, None))
         assert kinds() == ["allocation", "state"]
         with transaction(factory) as session:
-            job = session.get(Job, job_id)
-            assert job is not None
-            assert (job.state, job.current_gpus, job.step) == (JobState.RUNNING.value, 2, 7)
+            row = session.get(Job, job_id)
+            assert row is not None
+            assert (row.state, row.current_gpus, row.step) == (JobState.RUNNING.value, 2, 7)
             assert session.get(Allocation, second).status == "acked"  # type: ignore[union-attr]
     finally:
         engine.dispose()
