@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 import scheduler_service.admission as admission_module
-from scheduler_service.admission import Admission
+from energy_model.job_model import JobModelFitter, prior_job_model
+from scheduler_service.admission import Admission, BorrowedModels
 from scheduler_service.allocation.admission import (
     HeldGpus,
     admit,
@@ -38,6 +40,7 @@ from scheduler_service.jobs import service
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.schemas import JobSpec as JobRequest
 from scheduler_service.jobs.states import JobState
+from scheduler_service.planning import JobModels
 from scheduler_service.settings import GreenflowConfig
 from tests.api.conftest import (  # noqa: F401
     database_url,
@@ -163,6 +166,27 @@ def test_a_full_solve_names_the_team_budget_that_cuts_the_new_job() -> None:
     assert admit(problem, _spec("new", 1_800.0, 15_000.0), time_limit_s=1.0).guaranteed
 
 
+def test_admission_borrows_the_loops_fitted_models_without_reading_or_refitting() -> None:
+    one_two, one_to_four = (1, 2), (1, 2, 4)
+    loop = JobModels()
+    loop.fitters[1] = JobModelFitter(prior_job_model("resnet50", 256, one_two))
+    fitted = replace(loop.fitters[1].model, power_w={1: 111.0, 2: 222.0})
+    loop.fitters[1].model = fitted
+    loop.fitters[2] = JobModelFitter(prior_job_model("resnet50", 256, one_to_four))
+    borrowed = BorrowedModels(loop_models=loop)
+    priors = {
+        1: prior_job_model("resnet50", 256, one_two),
+        2: prior_job_model("resnet50", 256, one_two),  # the loop knows it at other counts
+        3: prior_job_model("resnet50", 256, one_two),  # the loop does not know it yet
+    }
+    # No session: nothing is read.
+    borrowed.refresh(cast(Session, None), priors)
+    models = borrowed.fitted([1, 2, 3])
+    assert models[1] is fitted
+    assert models[2] is borrowed.fitters[2].prior and models[3] is borrowed.fitters[3].prior
+    assert borrowed.refits == 0
+
+
 def _config() -> GreenflowConfig:
     return GreenflowConfig.model_validate(
         {
@@ -267,6 +291,15 @@ def test_a_burst_is_admitted_one_at_a_time_on_the_plan_in_force_without_a_solve(
         selects_of_one_check("warm-more")
         many = selects_of_one_check("many")
         assert many == few
+        # A request that waited while another check read the snapshot (its time is before the
+        # read) checks on that snapshot, not on one of its own: a burst reads once.
+        waited_since = utcnow()
+        with transaction(factory) as session:
+            admission.check(session, _request("reader"), 256_000, utcnow())
+            read = admission.stats.snapshots
+            admission.snapshot_reuse_s = 3600.0
+            admission.check(session, _request("waiter"), 256_000, waited_since)
+        assert admission.stats.snapshots == read
     finally:
         engine.dispose()
 
