@@ -65,6 +65,10 @@ class SolverTuning:
     # most this share of the limit: a second solve costs about what the first did, and at 5,000
     # jobs x 288 slots it doubled a 5 s policy's time (the estimate: 1.9 s a round).
     guard_resolve_share: float = 0.2
+    # The guard builds its two EDF plans itself (where `solve` did not) only while their
+    # estimate (two of the five baselines) fits this share of the limit: at 5,000 jobs x 288
+    # slots they took half the policy's time.
+    guard_edf_share: float = 0.5
 
 
 TUNING = SolverTuning()
@@ -216,3 +220,12 @@ def guard_resolve_fits(
     """Whether the guard's cold re-solve fits the limit (by size: one greedy round's estimate)."""
     round_s = greedy_round_s(plan_arrays(problem), problem.num_slots, tuning)
     return round_s <= tuning.guard_resolve_share * time_limit_s
+
+
+def guard_edf_fits(
+    problem: AllocationProblem, time_limit_s: float, tuning: SolverTuning = TUNING
+) -> bool:
+    """Whether the guard's own two EDF plans fit the limit (by size: 2/5 of the baselines')."""
+    cells = int(plan_arrays(problem).valid.sum()) * problem.num_slots
+    estimate_s = cells * tuning.baseline_seconds_per_cell * 2 / 5
+    return estimate_s <= tuning.guard_edf_share * time_limit_s
