@@ -183,7 +183,8 @@ class Admission:
         config = self.config
         forecast = _known_forecast(session, config, now)
         planning, reused = self._planning(session, forecast, now)
-        largest = planning.snapshot.largest_node_gpus
+        # As the loop plans (`read_rows`): a job may span the nodes whose agents reach each other.
+        largest = planning.snapshot.job_gpus_max
         if largest == 0:
             return AdmissionResult(
                 AdmissionDecision(False, False, "no GPUs are registered with the scheduler", None)
@@ -195,8 +196,8 @@ class Admission:
                 AdmissionDecision(
                     False,
                     False,
-                    f"needs at least {request.min_gpus} GPUs on one node; the largest node "
-                    f"has {largest}",
+                    f"needs at least {request.min_gpus} GPUs; a job gets at most {largest} (the "
+                    "largest ready node, or all nodes a job may span together)",
                     None,
                 )
             )
