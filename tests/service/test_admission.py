@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,24 +14,36 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import scheduler_service.admission as admission_module
 from scheduler_service.admission import Admission
-from scheduler_service.allocation.admission import HeldGpus, admit_on_spare
+from scheduler_service.allocation.admission import (
+    HeldGpus,
+    admit,
+    admit_on_spare,
+    team_budget_refusal,
+)
 from scheduler_service.allocation.problem import (
     AllocationProblem,
     BudgetMode,
     BudgetPeriod,
     JobSpec,
+    TeamBudget,
 )
 from scheduler_service.auth.service import Principal, Role
 from scheduler_service.control_loop import ControlLoop
+from scheduler_service.db import migrate
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import GpuSlot, Job, Node
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.exceptions import FieldError
 from scheduler_service.jobs import service
+from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.schemas import JobSpec as JobRequest
 from scheduler_service.jobs.states import JobState
 from scheduler_service.settings import GreenflowConfig
-from tests.api.conftest import database_url, postgres_server  # noqa: F401
+from tests.api.conftest import (  # noqa: F401
+    database_url,
+    fresh_postgres_database,
+    postgres_server,
+)
 from tests.service.test_snapshot import _count_selects
 
 T0 = datetime(2026, 6, 1, 12, tzinfo=UTC)
@@ -91,6 +104,63 @@ def test_a_deadline_is_admitted_on_what_the_plan_leaves_without_moving_other_job
     spent = BudgetPeriod(0.0, 6 * SLOT_S, budget_left_kg=0.0)
     hard = _problem(a, b, c, budget_periods=(spent,), budget_mode=BudgetMode.HARD)
     assert admit_on_spare(hard, new, plan) is None
+
+
+def test_a_deadline_is_held_to_its_teams_hard_budget() -> None:
+    # 100 g/kWh: one GPU (300 W) for one 600 s slot emits 5 g. "a", a deadline job of team nlp,
+    # holds one GPU for two slots (10 g); "c" (no deadline) yields. The new job of nlp needs
+    # 15,000 samples by 1,800 s: at least 12.5 g (1 GPU), 13.9 g at the 2 GPUs it gets here.
+    plan = HeldGpus(T0, SLOT_S, {"a": (1, 1, 0, 0, 0, 0), "c": (1, 1, 1, 1, 1, 1)})
+    a, c = _spec("a", 1_300.0, 12_000.0), _spec("c", None)
+    new = _spec("new", 1_800.0, 15_000.0)
+
+    def nlp_left(g: float, *jobs: JobSpec) -> AllocationProblem:
+        team = TeamBudget(
+            team="nlp",
+            job_ids=frozenset({"a", "c"}),
+            periods=(BudgetPeriod(0.0, 6 * SLOT_S, budget_left_kg=g / 1000),),
+        )
+        # The cluster's own budget is soft: only the team's binds.
+        return _problem(*jobs, team_budgets=(team,), budget_mode=BudgetMode.SOFT)
+
+    # Not even the whole 10 g pays for it: the check cannot promise it, and the refusal names
+    # the budget.
+    assert admit_on_spare(nlp_left(10.0, a, c), new, plan, team="nlp") is None
+    short = team_budget_refusal(nlp_left(10.0, a, c), new, "nlp")
+    assert short is not None and "team 'nlp' hard carbon budget has 10 g CO2e left" in short
+    assert team_budget_refusal(nlp_left(20.0, a, c), new, "nlp") is None
+    # 20 g: alone it could be paid for, but "a" keeps 10 g of it: only a full solve can tell.
+    assert admit_on_spare(nlp_left(20.0, a, c), new, plan, team="nlp") is None
+    # 40 g: promised, and the promise carries its team (later checks count it against nlp).
+    fast = admit_on_spare(nlp_left(40.0, a, c), new, plan, team="nlp")
+    assert fast is not None and fast[0].guaranteed
+    assert fast[1].teams == {"new": "nlp"}
+    # The same job of another team (or none) does not draw on nlp's budget.
+    assert admit_on_spare(nlp_left(10.0, a, c), new, plan) is not None
+    assert admit_on_spare(nlp_left(10.0, a, c), new, plan, team="vision") is not None
+    # A promise of nlp still committing (its job not listed) spends nlp's budget too: 30 g.
+    watts = {0: 0.0, 1: 300.0}
+    for team, outcome in (("nlp", False), ("vision", True)):
+        e = HeldGpus(T0, SLOT_S, {"e": (1,) * 6}, {"e": watts}, {"e": team})
+        checked = admit_on_spare(nlp_left(40.0, a, c), new, plan, (e,), team="nlp")
+        assert (checked is not None) is outcome, team
+
+
+def test_a_full_solve_names_the_team_budget_that_cuts_the_new_job() -> None:
+    # Alone the job could be paid for by 14 g, but team nlp's other deadline job spends 10 g of
+    # it: the plan cuts the new one, and the reason says so.
+    a = _spec("a", 1_200.0, 12_000.0)
+    team = TeamBudget(
+        team="nlp",
+        job_ids=frozenset({"a"}),
+        periods=(BudgetPeriod(0.0, 6 * SLOT_S, budget_left_kg=0.024),),
+    )
+    problem = _problem(a, team_budgets=(team,), budget_mode=BudgetMode.SOFT)
+    decision = admit(problem, _spec("new", 1_800.0, 15_000.0), team="nlp", time_limit_s=1.0)
+    assert not decision.admitted
+    assert "team 'nlp' hard carbon budget" in decision.reason
+    # Without the team (another queue) the same job is promised.
+    assert admit(problem, _spec("new", 1_800.0, 15_000.0), time_limit_s=1.0).guaranteed
 
 
 def _config() -> GreenflowConfig:
@@ -282,3 +352,158 @@ def test_a_deadline_job_larger_than_any_node_is_admitted_only_where_it_may_span(
                     service.submit_job(session, alice, request, _config(), admission)
         finally:
             engine.dispose()
+
+
+def _two_gpu_cluster(factory: sessionmaker[Session]) -> None:
+    with transaction(factory) as session:
+        node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=utcnow())
+        session.add(node)
+        session.flush()
+        session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(2))
+
+
+def _whole_cluster_request(name: str, queue: str = "default") -> JobRequest:
+    # Both GPUs (about 900 samples/s by the prior) for about 40 of the 60 minutes before the
+    # deadline: one such job fits, two do not.
+    return JobRequest.model_validate(
+        {
+            "name": name,
+            "workload": "resnet50",
+            "queue": queue,
+            "global_batch_size": 256,
+            "total_samples": 2_160_000,
+            "min_gpus": 2,
+            "max_gpus": 2,
+            "deadline": (utcnow() + timedelta(hours=1)).isoformat(),
+        }
+    )
+
+
+def _queued_names(factory: sessionmaker[Session]) -> list[str]:
+    with transaction(factory) as session:
+        return sorted(
+            session.scalars(select(Job.name).where(Job.state == JobState.QUEUED.value)).all()
+        )
+
+
+@pytest.fixture
+def postgres_factory(
+    postgres_server: str,  # noqa: F811 (fixture)
+) -> Iterator[sessionmaker[Session]]:
+    """Sessions on a fresh PostgreSQL database with one node of two GPUs."""
+    url, drop = fresh_postgres_database(postgres_server)
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    factory = make_session_factory(engine)
+    try:
+        _two_gpu_cluster(factory)
+        yield factory
+    finally:
+        engine.dispose()
+        drop()  # type: ignore[operator]
+
+
+ALICE = Principal(name="alice", role=Role.USER, token_id="t")
+
+
+def test_a_promise_still_committing_counts_in_the_full_solve(
+    postgres_factory: sessionmaker[Session],
+) -> None:
+    # No plan in force, so every check is a full solve. The second check's snapshot cannot list
+    # the first job (its transaction is still open), but the first job's promise must count.
+    factory, config = postgres_factory, _config()
+    admission = Admission(config)
+    with transaction(factory) as first:
+        service.submit_job(first, ALICE, _whole_cluster_request("first"), config, admission)
+        with transaction(factory) as second, pytest.raises(FieldError, match="deadline"):
+            service.submit_job(second, ALICE, _whole_cluster_request("second"), config, admission)
+    assert admission.stats.solves == 2
+    assert _queued_names(factory) == ["first"]
+
+
+def test_a_burst_of_full_solves_promises_the_gpus_once(
+    postgres_factory: sessionmaker[Session],
+) -> None:
+    factory, config = postgres_factory, _config()
+    admission = Admission(config)
+    start = threading.Barrier(4)
+    refused: list[str] = []
+
+    def submit(name: str) -> None:
+        start.wait()
+        try:
+            with transaction(factory) as session:
+                service.submit_job(session, ALICE, _whole_cluster_request(name), config, admission)
+        except FieldError:
+            refused.append(name)
+
+    threads = [threading.Thread(target=submit, args=(f"burst{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    admitted = _queued_names(factory)
+    assert len(admitted) == 1 and len(refused) == 3, (admitted, refused)
+    assert admission.stats.most_at_once == 1
+
+
+def test_a_submission_that_is_not_stored_leaves_no_promise(
+    postgres_factory: sessionmaker[Session], monkeypatch: Any
+) -> None:
+    factory, config = postgres_factory, _config()
+    admission = Admission(config)
+    # The insert fails after the check: the promise is withdrawn.
+    real_insert = JobRepository.insert_submitted
+
+    def failing_insert(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the insert fails")
+
+    monkeypatch.setattr(JobRepository, "insert_submitted", failing_insert)
+    with pytest.raises(RuntimeError), transaction(factory) as session:
+        service.submit_job(session, ALICE, _whole_cluster_request("lost"), config, admission)
+    monkeypatch.setattr(JobRepository, "insert_submitted", real_insert)
+    # Stored, then rolled back (the request fails before its commit): the promise goes too.
+    with pytest.raises(RuntimeError), transaction(factory) as session:
+        service.submit_job(session, ALICE, _whole_cluster_request("rolled"), config, admission)
+        raise RuntimeError("the request fails before its commit")
+    # Neither holds the GPUs: a job that needs all of them is promised them.
+    with transaction(factory) as session:
+        service.submit_job(session, ALICE, _whole_cluster_request("kept"), config, admission)
+    assert _queued_names(factory) == ["kept"]
+    assert admission.stats.checks == 3
+
+
+def test_a_submission_is_refused_by_its_teams_hard_budget_only(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    # Team nlp's hard budget (1 g a day) pays for seconds of a two-GPU job; vision's for days.
+    config = GreenflowConfig.model_validate(
+        {
+            "budget": {
+                "period": "day",
+                "limit_kg_co2e": 100.0,
+                "enforcement": "soft",
+                "teams": {
+                    "nlp": {"queues": ["nlp"], "limit_kg_co2e": 0.001, "enforcement": "hard"},
+                    "vision": {"queues": ["vision"], "limit_kg_co2e": 50.0, "enforcement": "hard"},
+                },
+            },
+            "carbon": {"provider": "synthetic", "conservative_intensity_g_per_kwh": 300},
+            "planner": {"slot_s": 600, "horizon_s": 14_400, "solver_time_limit_s": 1.0},
+        }
+    )
+    try:
+        _two_gpu_cluster(factory)
+        admission = Admission(config)
+        refused = pytest.raises(FieldError, match="team 'nlp' hard carbon budget")
+        with refused, transaction(factory) as session:
+            request = _whole_cluster_request("nlp-job", queue="nlp")
+            service.submit_job(session, ALICE, request, config, admission)
+        with transaction(factory) as session:
+            request = _whole_cluster_request("vision-job", queue="vision")
+            service.submit_job(session, ALICE, request, config, admission)
+        assert _queued_names(factory) == ["vision-job"]
+    finally:
+        engine.dispose()
