@@ -28,6 +28,7 @@ from scheduler_service.allocation.snapshot import (
     ProblemKnobs,
     TeamWindows,
     build_problem,
+    most_gpus_per_job,
 )
 from scheduler_service.budget.ledger import (
     periods_for_horizon,
@@ -234,6 +235,8 @@ class SnapshotRows:
     deprioritised: frozenset[str] = frozenset()
     # Per team with a hard budget: its queues and what it has left per period of the horizon.
     team_windows: tuple[tuple[str, frozenset[str], tuple[BudgetWindow, ...]], ...] = ()
+    # GPUs of each ready node whose agent advertised an address the others reach.
+    spannable_gpus: tuple[int, ...] = ()
 
 
 def read_snapshot(
@@ -258,8 +261,8 @@ def read_rows(
     node_gpus = tuple(len(n.slots) for n in nodes)
     # A job runs inside one node, or across the nodes whose agents reach each other (they
     # advertised a rendezvous address): then it may use all of theirs together.
-    spannable = [len(n.slots) for n in nodes if n.rendezvous_host and n.worker_host_port]
-    largest_node = max(max(node_gpus, default=0), sum(spannable) if len(spannable) > 1 else 0)
+    spannable = tuple(len(n.slots) for n in nodes if n.rendezvous_host and n.worker_host_port)
+    largest_node = most_gpus_per_job(node_gpus, spannable)
     unplaceable: dict[int, str] = {}
     chosen: list[tuple[PlanRow, tuple[int, ...], int]] = []
     # Queues whose team's hard budget is spent wait for the next period; a spent soft one's
@@ -327,6 +330,7 @@ def read_rows(
         windows,
         frozenset(deprioritised),
         team_windows,
+        spannable,
     )
 
 
@@ -364,6 +368,7 @@ def assemble_snapshot(
         slot_s=slot_s,
         num_slots=num_slots,
         node_gpus=rows.node_gpus,
+        spannable_gpus=rows.spannable_gpus,
         intensity_g_per_kwh=slot_intensities(
             planning_series(forecast, config), now, slot_s, num_slots
         ),
