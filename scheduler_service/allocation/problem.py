@@ -430,7 +430,7 @@ def leftover_kg_per_fraction(problem: AllocationProblem, job: JobSpec) -> float:
     return kwh * problem.pue * min(problem.intensity_g_per_kwh) / GRAMS_PER_KG
 
 
-def _option_matrix(
+def option_matrix(
     problem: AllocationProblem, gpus: dict[str, tuple[int, ...]], arrays: PlanArrays
 ) -> tuple[np.ndarray, np.ndarray]:
     """(option index per job and slot, -1 = off or not allowed; GPU count as given)."""
@@ -458,7 +458,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     num_slots, slot_s = problem.num_slots, problem.slot_s
     arrays = plan_arrays(problem)
     num_jobs = arrays.num_jobs
-    options, counts = _option_matrix(problem, gpus, arrays)
+    options, counts = option_matrix(problem, gpus, arrays)
     rows = np.arange(num_jobs)[:, None]
     on = options >= 0
     k = np.maximum(options, 0)
@@ -706,7 +706,7 @@ def missed_reasons(
     if not rest:
         return out
     arrays = plan_arrays(problem)
-    options, counts = _option_matrix(problem, gpus, arrays)
+    options, counts = option_matrix(problem, gpus, arrays)
     used = counts.sum(axis=0)
     capacity = np.asarray(problem.capacity_gpus)
     deadline = np.array([np.inf if j.deadline_s is None else j.deadline_s for j in problem.jobs])

@@ -15,8 +15,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from scheduler_service.allocation import baselines
 from scheduler_service.allocation.heuristic import (
     deadline_reservation,
@@ -35,6 +33,7 @@ from scheduler_service.allocation.problem import (
     evaluate_gpus,
     gpus_from_options,
     make_plan,
+    option_matrix,
     plan_arrays,
     trim_after_finish,
 )
@@ -204,9 +203,7 @@ def solve_with_baselines(
     polished: dict[str, tuple[int, ...]] | None = None
     if best is not None and steps.polish_passes > 0:
         ran.append("polish")
-        start = np.array(
-            [[j.index_of(g) for g in best.gpus[j.job_id]] for j in problem.jobs], dtype=np.int64
-        )
+        start = option_matrix(problem, best.gpus, arrays)[0]
         polished = gpus_from_options(
             problem,
             arrays,
