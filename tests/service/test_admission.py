@@ -109,6 +109,17 @@ def test_a_deadline_is_admitted_on_what_the_plan_leaves_without_moving_other_job
     assert admit_on_spare(hard, new, plan) is None
 
 
+def test_held_rows_take_the_most_of_the_slots_each_problem_slot_overlaps() -> None:
+    held = HeldGpus(T0, SLOT_S, {"x": (1, 3, 2), "y": (), "z": (4,)})
+    # Half a slot later: each problem slot overlaps two held ones; past the row, its last count.
+    half = _problem(start_at=T0 + timedelta(seconds=SLOT_S / 2))
+    assert held.over(half, "x") == (3, 3, 2, 2, 2, 2)
+    assert held.rows(half, ["y", "z", "x"]).tolist() == [[0] * 6, [4] * 6, [3, 3, 2, 2, 2, 2]]
+    # On the grid: slot for slot.
+    assert held.over(_problem(), "x") == (1, 3, 2, 2, 2, 2)
+    assert held.over(_problem(), "absent") is None
+
+
 def test_a_deadline_is_held_to_its_teams_hard_budget() -> None:
     # 100 g/kWh: one GPU (300 W) for one 600 s slot emits 5 g. "a", a deadline job of team nlp,
     # holds one GPU for two slots (10 g); "c" (no deadline) yields. The new job of nlp needs
