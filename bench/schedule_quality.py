@@ -102,6 +102,9 @@ def figures(report: SimulationReport, wall_s: float) -> dict[str, Any]:
         "deadline_jobs": report.deadline_jobs,
         "budget_kg": report.budget_kg,
         "budget_violations": report.budget_violations,
+        "admitted_missed": report.admitted_missed,
+        "placement_lowered": report.placement_lowered,
+        "admitted_missed_lowered": report.admitted_missed_lowered,
         "solver_s_mean": round(report.solver_s_mean, 4),
         "wall_s": round(wall_s, 1),
     }
@@ -549,6 +552,10 @@ def main() -> None:
     parser.add_argument("--scenarios", default="deadlines,budget,slack")
     parser.add_argument("--charts-dir", type=Path, default=Path("docs/img"))
     parser.add_argument("--no-charts", action="store_true")
+    # Node-aware replays (issue 20): plans go through the live service's placement onto the
+    # --cluster nodes, of which the first --spannable-nodes may be spanned (default all).
+    parser.add_argument("--placement", choices=("pooled", "nodes"), default="pooled")
+    parser.add_argument("--spannable-nodes", type=int, default=None)
     args = parser.parse_args()
     if args.lagrangian_iterations < 0:
         parser.error("--lagrangian-iterations must be >= 0")
@@ -593,6 +600,8 @@ def main() -> None:
             horizon_slots=args.horizon_slots,
             time_limit_s=args.time_limit_s,
             seed=args.seed,
+            placement=args.placement,
+            spannable_nodes=args.spannable_nodes,
             **extra,
         )
 
@@ -720,6 +729,8 @@ def main() -> None:
         "trace": args.trace,
         "jobs": len(jobs),
         "cluster": args.cluster,
+        "placement": args.placement,
+        "spannable_nodes": args.spannable_nodes,
         "series": args.series.split(","),
         "scenarios": sorted(scenarios),
         "slot_s": args.slot_s,

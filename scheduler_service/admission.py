@@ -240,7 +240,8 @@ class Admission:
         self, planning: PlanningInput, request: JobRequest
     ) -> tuple[int, ...] | AdmissionResult:
         """The job's allowed GPU counts on this cluster, or the rejection saying why none."""
-        largest = planning.snapshot.largest_node_gpus
+        # As the loop plans (`read_rows`): a job may span the nodes whose agents reach each other.
+        largest = planning.snapshot.job_gpus_max
         if largest == 0:
             return AdmissionResult(
                 AdmissionDecision(False, False, "no GPUs are registered with the scheduler", None)
@@ -252,8 +253,8 @@ class Admission:
                 AdmissionDecision(
                     False,
                     False,
-                    f"needs at least {request.min_gpus} GPUs on one node; the largest node "
-                    f"has {largest}",
+                    f"needs at least {request.min_gpus} GPUs; a job gets at most {largest} (the "
+                    "largest ready node, or all nodes a job may span together)",
                     None,
                 )
             )

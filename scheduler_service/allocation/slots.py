@@ -125,17 +125,23 @@ def fit_slot(
             if target > 0:
                 heapq.heappush(heap, (down_score(i, table), i))
 
-    used = sum(gpu_l[i][cur[i]] for i in range(len(cur)))
+    every = np.arange(len(cur))
+
+    def booked(table_a: np.ndarray) -> float:
+        # The same sum as over the lists, job by job in order (so the same float), from numpy.
+        return float(sum(table_a[every, np.array(cur, dtype=np.int64)].tolist()))
+
+    used = booked(tables.gpu_a)
     if used > cap:
         downgrade(used - cap, gpu_l, tables.gpu_a)
     if kg_per_w > 0:
-        watts = sum(pw_l[i][cur[i]] for i in range(len(cur)))
+        watts = booked(tables.pw_a)
         limit_w = budget_kg * (1 - 1e-9) / kg_per_w
         if watts > limit_w:
             downgrade(watts - limit_w, pw_l, tables.pw_a)
     if fill:
-        spare = cap - sum(gpu_l[i][cur[i]] for i in range(len(cur)))
-        room_kg = budget_kg - sum(pw_l[i][cur[i]] for i in range(len(cur))) * kg_per_w
+        spare = cap - booked(tables.gpu_a)
+        room_kg = budget_kg - booked(tables.pw_a) * kg_per_w
         gain_l = np.asarray(gain_weight, dtype=float).tolist()
         opts_l = tables.n_opts
         active_l = np.asarray(active, dtype=bool).tolist()

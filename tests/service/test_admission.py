@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 import scheduler_service.admission as admission_module
@@ -306,6 +306,52 @@ def test_a_full_solve_runs_outside_the_request_transaction(
             assert stored.state == JobState.QUEUED.value
     finally:
         engine.dispose()
+
+
+def _two_nodes(factory: sessionmaker[Session], *, spannable: bool) -> None:
+    """Nodes of 4 slots each; with `spannable`, each advertised a rendezvous address."""
+    with transaction(factory) as session:
+        for i in range(2):
+            node = Node(
+                name=f"n{i}",
+                agent_url=f"http://127.0.0.1:{9 + i}",
+                last_heartbeat_at=utcnow(),
+                rendezvous_host=f"198.18.0.{2 + i}" if spannable else None,
+                worker_host_port=7000 + i if spannable else None,
+            )
+            session.add(node)
+            session.flush()
+            session.add_all(GpuSlot(node_id=node.id, index=k) for k in range(4))
+
+
+def test_a_deadline_job_larger_than_any_node_is_admitted_only_where_it_may_span(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # 6 GPUs at least, nodes of 4: only the two nodes together hold it, as the loop plans it.
+    request = _request("wide").model_copy(update={"min_gpus": 6, "max_gpus": 8})
+    alice = Principal(name="alice", role=Role.USER, token_id="t")
+    for spannable in (True, False):
+        engine = make_engine(database_url)
+        factory = make_session_factory(engine)
+        try:
+            with transaction(factory) as session:
+                session.execute(delete(GpuSlot))
+                session.execute(delete(Node))
+                session.execute(delete(Job))
+            _two_nodes(factory, spannable=spannable)
+            admission = Admission(_config())
+            if spannable:
+                with transaction(factory) as session:
+                    result = service.submit_job(session, alice, request, _config(), admission)
+                assert result.created and result.job.state == JobState.QUEUED.value
+            else:
+                with (
+                    pytest.raises(FieldError, match="a job gets at most 4"),
+                    transaction(factory) as session,
+                ):
+                    service.submit_job(session, alice, request, _config(), admission)
+        finally:
+            engine.dispose()
 
 
 def _two_gpu_cluster(factory: sessionmaker[Session]) -> None:
