@@ -6,14 +6,14 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.orm import Session
 
 from energy_model.carbon.forecast import CarbonForecast, ForecastPoint, PointKind, Signal
-from energy_model.job_model import prior_job_model
+from energy_model.job_model import JobModel, JobModelFitter, prior_job_model
 from scheduler_service.allocation.admission import (
     AdmissionDecision,
     HeldGpus,
@@ -101,6 +101,33 @@ def check_admission(
     return Admission(config).check(session, request, total_samples, now).decision
 
 
+@dataclass
+class BorrowedModels(JobModels):
+    """Admission's job models when the control loop runs in this process: the loop's latest
+    fit of each job (its `JobModels`), else the job's prior; no telemetry read and no refit on a
+    request's path (a first snapshot read refitting hundreds of jobs took 7-9 s at load 20)."""
+
+    loop_models: JobModels | None = None
+
+    def refresh(self, session: Session, priors: dict[int, JobModel]) -> None:
+        """Keep each planned job's prior (the loop reads the telemetry and refits)."""
+        for job_id, prior in priors.items():
+            fitter = self.fitters.get(job_id)
+            if fitter is None or fitter.prior.allowed_gpus != prior.allowed_gpus:
+                self.fitters[job_id] = JobModelFitter(prior)
+
+    def fitted(self, job_ids: Iterable[int]) -> dict[int, JobModel]:
+        """The loop's current model of each job where it fits the same counts, else the prior."""
+        loop = self.loop_models.fitters if self.loop_models is not None else {}
+        out = {}
+        for job_id in job_ids:
+            own = self.fitters[job_id]
+            theirs = loop.get(job_id)
+            same = theirs is not None and theirs.prior.allowed_gpus == own.prior.allowed_gpus
+            out[job_id] = theirs.model if same and theirs is not None else own.model
+        return out
+
+
 @dataclass(frozen=True)
 class AdmissionResult:
     """A decision, what the new job was promised (its counts from the problem's start), and the
@@ -141,11 +168,21 @@ class Admission:
         self,
         config: GreenflowConfig,
         plan_in_force: Callable[[], AllocationPlan | None] | None = None,
+        loop_models: JobModels | None = None,
     ) -> None:
         self.config = config
         # The loop's plan when it runs in this process (else the newest stored plan is read).
         self.plan_in_force = plan_in_force
-        self.models = JobModels(refit_interval_s=config.planner.model_refit_interval_s)
+        # With the loop in this process its models are borrowed; else admission refits its own,
+        # at most as many a read as the loop does a tick.
+        self.models: JobModels = (
+            BorrowedModels(loop_models=loop_models)
+            if loop_models is not None
+            else JobModels(
+                refit_interval_s=config.planner.model_refit_interval_s,
+                max_refits=config.planner.model_refits_per_tick,
+            )
+        )
         self.stats = AdmissionStats()
         self._lock = threading.Lock()  # the check's turn
         self._snapshot_lock = threading.Lock()  # one snapshot read (and model refit) at a time
@@ -355,6 +392,8 @@ class Admission:
         turn, one read at a time (the models are refitted in it).
         """
         with self._snapshot_lock:
+            # From when the lock is had: a snapshot another check read meanwhile is not newer.
+            now = max(now, utcnow())
             cached = self._snapshot_cache
             if (
                 not fresh

@@ -15,8 +15,9 @@ from scheduler_service.allocation.greedy import UsedCurve, _pick, _used
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import AllocationProblem, JobSpec
 from scheduler_service.allocation.solver import solve_with_baselines
-from scheduler_service.allocation.steps import guard_resolve_fits
+from scheduler_service.allocation.steps import guard_edf_fits, guard_resolve_fits
 from tests.allocation.test_determinism import simulate_tick
+from tests.allocation.test_guarded import count_edf_builds
 from tests.allocation.test_properties import SLOT_S, START, check_hard_constraints
 
 COUNT_SETS = [(1,), (1, 2), (2, 4), (1, 2, 4), (1, 2, 4, 8), (2, 4, 8, 16, 32)]
@@ -97,12 +98,12 @@ def test_a_big_problem_under_a_tiny_limit_gets_a_whole_feasible_plan() -> None:
     check_hard_constraints(problem, guarded.gpus)
 
 
-def test_the_guard_solves_once_where_a_second_solve_does_not_fit(
+def test_the_guard_builds_only_what_fits_the_limit_by_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     problem = big_problem(1500, 96, 256)
-    assert guard_resolve_fits(simulate_tick(), 0.5)
-    assert not guard_resolve_fits(problem, 0.5)
+    assert guard_resolve_fits(simulate_tick(), 0.5) and guard_edf_fits(simulate_tick(), 0.01)
+    assert not guard_resolve_fits(problem, 0.5) and not guard_edf_fits(problem, 0.5)
     calls: list[bool] = []
     real = guarded_module.solve_with_baselines
 
@@ -110,9 +111,11 @@ def test_the_guard_solves_once_where_a_second_solve_does_not_fit(
         calls.append(kwargs.get("previous") is not None)
         return real(*args, **kwargs)
 
+    edf_builds = count_edf_builds(monkeypatch)
     monkeypatch.setattr(guarded_module, "solve_with_baselines", spy)
     previous = solve_with_baselines(problem, time_limit_s=0.5, seed=0).plan
     plan = guarded_module.greenflow(problem, previous=previous, time_limit_s=0.5, seed=0)
     assert any(not ok for ok in plan.deadline_met.values())  # a miss: the re-solve's trigger
     assert calls == [True]  # the warm solve only
+    assert edf_builds == []  # and no EDF plan: neither fits the limit at this size
     check_hard_constraints(problem, plan.gpus)

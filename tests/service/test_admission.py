@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 import scheduler_service.admission as admission_module
-from scheduler_service.admission import Admission
+from energy_model.job_model import JobModelFitter, prior_job_model
+from scheduler_service.admission import Admission, BorrowedModels
 from scheduler_service.allocation.admission import (
     HeldGpus,
     admit,
@@ -38,6 +40,7 @@ from scheduler_service.jobs import service
 from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.schemas import JobSpec as JobRequest
 from scheduler_service.jobs.states import JobState
+from scheduler_service.planning import JobModels
 from scheduler_service.settings import GreenflowConfig
 from tests.api.conftest import (  # noqa: F401
     database_url,
@@ -106,6 +109,17 @@ def test_a_deadline_is_admitted_on_what_the_plan_leaves_without_moving_other_job
     assert admit_on_spare(hard, new, plan) is None
 
 
+def test_held_rows_take_the_most_of_the_slots_each_problem_slot_overlaps() -> None:
+    held = HeldGpus(T0, SLOT_S, {"x": (1, 3, 2), "y": (), "z": (4,)})
+    # Half a slot later: each problem slot overlaps two held ones; past the row, its last count.
+    half = _problem(start_at=T0 + timedelta(seconds=SLOT_S / 2))
+    assert held.over(half, "x") == (3, 3, 2, 2, 2, 2)
+    assert held.rows(half, ["y", "z", "x"]).tolist() == [[0] * 6, [4] * 6, [3, 3, 2, 2, 2, 2]]
+    # On the grid: slot for slot.
+    assert held.over(_problem(), "x") == (1, 3, 2, 2, 2, 2)
+    assert held.over(_problem(), "absent") is None
+
+
 def test_a_deadline_is_held_to_its_teams_hard_budget() -> None:
     # 100 g/kWh: one GPU (300 W) for one 600 s slot emits 5 g. "a", a deadline job of team nlp,
     # holds one GPU for two slots (10 g); "c" (no deadline) yields. The new job of nlp needs
@@ -161,6 +175,27 @@ def test_a_full_solve_names_the_team_budget_that_cuts_the_new_job() -> None:
     assert "team 'nlp' hard carbon budget" in decision.reason
     # Without the team (another queue) the same job is promised.
     assert admit(problem, _spec("new", 1_800.0, 15_000.0), time_limit_s=1.0).guaranteed
+
+
+def test_admission_borrows_the_loops_fitted_models_without_reading_or_refitting() -> None:
+    one_two, one_to_four = (1, 2), (1, 2, 4)
+    loop = JobModels()
+    loop.fitters[1] = JobModelFitter(prior_job_model("resnet50", 256, one_two))
+    fitted = replace(loop.fitters[1].model, power_w={1: 111.0, 2: 222.0})
+    loop.fitters[1].model = fitted
+    loop.fitters[2] = JobModelFitter(prior_job_model("resnet50", 256, one_to_four))
+    borrowed = BorrowedModels(loop_models=loop)
+    priors = {
+        1: prior_job_model("resnet50", 256, one_two),
+        2: prior_job_model("resnet50", 256, one_two),  # the loop knows it at other counts
+        3: prior_job_model("resnet50", 256, one_two),  # the loop does not know it yet
+    }
+    # No session: nothing is read.
+    borrowed.refresh(cast(Session, None), priors)
+    models = borrowed.fitted([1, 2, 3])
+    assert models[1] is fitted
+    assert models[2] is borrowed.fitters[2].prior and models[3] is borrowed.fitters[3].prior
+    assert borrowed.refits == 0
 
 
 def _config() -> GreenflowConfig:
@@ -267,6 +302,15 @@ def test_a_burst_is_admitted_one_at_a_time_on_the_plan_in_force_without_a_solve(
         selects_of_one_check("warm-more")
         many = selects_of_one_check("many")
         assert many == few
+        # A request that waited while another check read the snapshot (its time is before the
+        # read) checks on that snapshot, not on one of its own: a burst reads once.
+        waited_since = utcnow()
+        with transaction(factory) as session:
+            admission.check(session, _request("reader"), 256_000, utcnow())
+            read = admission.stats.snapshots
+            admission.snapshot_reuse_s = 3600.0
+            admission.check(session, _request("waiter"), 256_000, waited_since)
+        assert admission.stats.snapshots == read
     finally:
         engine.dispose()
 
