@@ -84,8 +84,9 @@ class SolveSteps:
     any case (without it there may be no plan); a forced LP (`use_lp=True`) is charged even when
     it does not fit. Order: first greedy round, LP with its roundings, near-deadline MIP, exact
     MIP, baselines, further greedy rounds, the chase round, deadline-repair moves (as many as
-    what is left pays for), local-search passes over the best plan. Candidate evaluations and
-    the plan's report are not estimated.
+    what is left pays for), local-search passes over the best plan (`solve` adds the repair
+    moves it did not use to their budget). Candidate evaluations and the plan's report are not
+    estimated.
     """
 
     greedy_rounds: int
