@@ -19,6 +19,7 @@ from scheduler_service.allocation.admission import (
     HeldGpus,
     admit,
     admit_on_spare,
+    in_force_plan,
     refused,
     team_budget_refusal,
     unlisted_load,
@@ -332,13 +333,19 @@ class Admission:
         planning: PlanningInput,
     ) -> AdmissionResult:
         """The full check: the loop's policy on the snapshot's problem with the new job, on
-        what the promises of jobs the snapshot does not list yet (committing) leave."""
+        what the promises of jobs the snapshot does not list yet (committing) leave, started
+        from the plan in force and the promises since (`in_force_plan`)."""
         config = self.config
         allowed = self._allowed(planning, request)
         if isinstance(allowed, AdmissionResult):
             return allowed
         new_job = self._new_job(planning, request, total_samples, allowed, now)
-        problem = without_held(planning.problem, unlisted_load(planning.problem, self._promises()))
+        promises = self._promises()
+        problem = without_held(planning.problem, unlisted_load(planning.problem, promises))
+        # The solve starts from the plan in force (and the promises since), moved to now: its
+        # deadlines are the ones to keep, and a cold start can lose some it meets.
+        in_force = self._in_force(session)
+        previous = None if in_force is None else in_force_plan(problem, (in_force, *promises))
         # The same policy as the control loop: admission promises what the loop will then plan.
         self.stats.solves += 1
         # Solve outside the request's transaction: everything it needs is read, nothing is
@@ -352,6 +359,7 @@ class Admission:
             time_limit_s=ADMISSION_TIME_LIMIT_S,
             seed=config.planner.seed,
             policy=get_policy(config.planner.policy),
+            previous=previous,
             team=self._team(request),
         )
         held = None
