@@ -7,16 +7,21 @@ with and without --elasticflow-events, no carbon limit, exact models and forecas
 --model-error / --forecast-error: then promises may break, and the figures say how often). The
 horizon is `greenflow simulate`'s default for the trace and slot (cli.auto_horizon_slots). Cases
 run in order (synthetic first, then the traces, the longer slot first) until --budget-s of wall
-time is spent; those left are listed under "skipped".
+time is spent; those left are listed under "skipped". --placements replays each case pooled
+(the cluster as one pool of GPUs), node-aware ("nodes": every plan goes through the live
+service's placement, jobs may span every node) and/or "nodes:S" (only the first S nodes may be
+spanned; nodes:0, every job inside one node), and reports what placement lowered (issue 20).
 
 Prints {"cases": [{"trace", "jobs", "slot_s", "elasticflow_events", "horizon_slots",
-"beyond_horizon", "policy", "admitted", "deadline_jobs", "met", "admitted_missed",
-"lateness_sum_s", "lateness_max_s", "missed", "wall_s"}], "skipped", "settings"}; "missed"
+"beyond_horizon", "policy", "placement", "admitted", "deadline_jobs", "met", "admitted_missed",
+"lateness_sum_s", "lateness_max_s", "missed", "placement_lowered", "placement_lowered_jobs",
+"admitted_missed_lowered", "jobs_spanning_nodes", "wall_s"}], "skipped", "settings"}; "missed"
 lists (job_id, lateness_s) of each broken promise.
 
 Usage:
     nice -n 10 python -m bench.admission_promise [--data DIR] [--jobs 40] [--slots 900,60]
         [--traces cluster01,...] [--synthetic-jobs 40] [--budget-s 1800]
+        [--placements pooled,nodes,nodes:0]
 """
 
 from __future__ import annotations
@@ -52,8 +57,10 @@ def run_case(
     time_limit_s: float,
     model_error: float = 0.0,
     forecast_error: float = 0.0,
+    placement: str = "pooled",
 ) -> dict[str, Any]:
     """One replay's promise figures."""
+    mode, _, spannable = placement.partition(":")
     horizon = auto_horizon_slots(jobs, slot_s)
     config = SimulationConfig(
         policy=policy,
@@ -65,6 +72,8 @@ def run_case(
         time_limit_s=time_limit_s,
         model_error=model_error,
         forecast_error=forecast_error,
+        placement="nodes" if mode == "nodes" else "pooled",
+        spannable_nodes=int(spannable) if spannable else None,
     )
     began = time.perf_counter()
     report = simulate_trace(
@@ -80,6 +89,7 @@ def run_case(
         "horizon_slots": horizon,
         "beyond_horizon": deadlines_beyond_horizon(jobs, slot_s * horizon),
         "policy": policy,
+        "placement": report.placement,
         "model_error": model_error,
         "forecast_error": forecast_error,
         "admitted": report.admitted,
@@ -93,6 +103,10 @@ def run_case(
             for o in report.outcomes
             if o.guaranteed and not o.deadline_met
         ],
+        "placement_lowered": report.placement_lowered,
+        "placement_lowered_jobs": report.placement_lowered_jobs,
+        "admitted_missed_lowered": report.admitted_missed_lowered,
+        "jobs_spanning_nodes": report.jobs_spanning_nodes,
         "wall_s": round(wall_s, 1),
     }
 
@@ -123,7 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--forecast-error", type=float, default=0.0, help="relative std of the forecast noise"
     )
+    parser.add_argument(
+        "--placements",
+        default="pooled",
+        help="pooled, nodes (every node may be spanned) and/or nodes:S (the first S may)",
+    )
     args = parser.parse_args(argv)
+    placements = [p for p in args.placements.split(",") if p]
+    for placement in placements:
+        mode, _, spannable = placement.partition(":")
+        if mode not in ("pooled", "nodes") or (spannable and not spannable.isdigit()):
+            parser.error(f"--placements: {placement!r} is not pooled, nodes or nodes:S")
     ef = args.data / "elasticflow"
     carbon = args.data / "carbon" / "electricitymaps" / f"{args.carbon}_hourly.csv"
     if not ef.is_dir() or not carbon.is_file():
@@ -166,30 +190,33 @@ def main(argv: list[str] | None = None) -> int:
         for trace_name, jobs, profiles_dir, cluster in plans:
             for ef_events in events:
                 for policy in POLICIES:
-                    key = {
-                        "trace": trace_name,
-                        "slot_s": slot_s,
-                        "elasticflow_events": ef_events,
-                        "policy": policy,
-                    }
-                    if time.perf_counter() - began > args.budget_s:
-                        skipped.append(key)
-                        continue
-                    case = run_case(
-                        trace_name,
-                        jobs,
-                        profiles_dir,
-                        carbon,
-                        cluster,
-                        slot_s,
-                        ef_events,
-                        policy,
-                        args.time_limit_s,
-                        args.model_error,
-                        args.forecast_error,
-                    )
-                    cases.append(case)
-                    print(json.dumps(case), file=sys.stderr, flush=True)
+                    for placement in placements:
+                        key = {
+                            "trace": trace_name,
+                            "slot_s": slot_s,
+                            "elasticflow_events": ef_events,
+                            "policy": policy,
+                            "placement": placement,
+                        }
+                        if time.perf_counter() - began > args.budget_s:
+                            skipped.append(key)
+                            continue
+                        case = run_case(
+                            trace_name,
+                            jobs,
+                            profiles_dir,
+                            carbon,
+                            cluster,
+                            slot_s,
+                            ef_events,
+                            policy,
+                            args.time_limit_s,
+                            args.model_error,
+                            args.forecast_error,
+                            placement,
+                        )
+                        cases.append(case)
+                        print(json.dumps(case), file=sys.stderr, flush=True)
     print(
         json.dumps(
             {
@@ -204,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     "time_limit_s": args.time_limit_s,
                     "model_error": args.model_error,
                     "forecast_error": args.forecast_error,
+                    "placements": placements,
                     "budget_s": args.budget_s,
                     "wall_s": round(time.perf_counter() - began, 1),
                 },

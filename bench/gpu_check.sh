@@ -14,7 +14,11 @@
 #   nccl_switch  >= 2 GPUs: hot switches dp2 -> tp2 -> pp2 -> 1 on NCCL, loss vs 1 GPU
 #   gpu_tests    >= 2 GPUs and pytest: tests/runtime/test_module_jobs.py on NCCL
 #   bench        >= 2 GPUs: python -m bench.hotswitch --quick (GPT-2 124M tp2 <-> pp2)
+#   node_power   one GPU: the ledger's NVML path (worker_agent/node_power.py) while the GPU idles
+#                and while it works: per-cut energy from NVML's counter vs power polled at 20 Hz
 #   step_time    one GPU: GPT-2 124M (fp32, bf16) and LLaMA-350M (bf16) training step time
+#
+# GPU_CHECKS="nvml node_power nccl_1gpu" runs only those (env always runs); default: all.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu_check}"
@@ -33,8 +37,11 @@ EOF
   echo "[$1] $2" >&2
 }
 
+wanted() { [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $1 "* ]]; }
+
 run_check() {  # name timeout_s python-code
   local name=$1 limit=$2 code=$3 log="$OUT_DIR/$1.log"
+  if ! wanted "$name"; then record "$name" "skipped: not in GPU_CHECKS" ""; return; fi
   if timeout "$limit" "$PY" -c "$code" > "$log" 2>&1; then
     record "$name" passed "$(tail -c 3000 "$log")"
   else
@@ -178,6 +185,57 @@ else
   for c in nccl_switch gpu_tests bench; do
     record $c "skipped: needs 2 GPUs (found $GPUS) and transformers, safetensors, pydantic, numpy; NCCL puts one rank per GPU" ""
   done
+fi
+
+if [ "$GPUS" -ge 1 ] && has pynvml && has pydantic; then
+  run_check node_power 180 '
+import json, threading, time, torch
+from worker_agent.node_power import NodeModel, NodePowerSampler
+from worker_agent.protocol import GpuSlotInfo
+from worker_agent.telemetry import NvmlMeter
+meter = NvmlMeter()
+sampler = NodePowerSampler([GpuSlotInfo(index=0)], NodeModel(60.0, 0.0), nvml=meter)
+polled_j, stop = [0.0], threading.Event()
+def poll():  # the reference: board power integrated at 20 Hz
+    last = time.monotonic()
+    while not stop.is_set():
+        time.sleep(0.05)
+        now = time.monotonic()
+        polled_j[0] += meter.power_w([0]) * (now - last)
+        last = now
+threading.Thread(target=poll, daemon=True).start()
+def phase(busy: bool, seconds: float, job: int | None) -> dict:
+    sampler.cut({0: job} if job else {})
+    start_j, cuts, t0 = polled_j[0], [], time.monotonic()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    while time.monotonic() - t0 < seconds:
+        if busy:
+            for _ in range(20):
+                a = (a @ a).clamp_(-1, 1)
+            torch.cuda.synchronize()
+        else:
+            time.sleep(0.1)
+        if time.monotonic() - t0 >= len(cuts) + 1:
+            cuts.append(sampler.cut({0: job} if job else {}))
+    readings = [r for c in cuts for r in c.readings if r.component == "gpu"]
+    counter_j = sum(r.energy_j for r in readings)
+    ref_j = polled_j[0] - start_j
+    return {"cuts": len(cuts), "sources": sorted({r.source for r in readings}),
+            "job_ids": sorted({r.job_id or 0 for r in readings}),
+            "counter_j": round(counter_j, 1), "polled_j": round(ref_j, 1),
+            "mean_w": round(counter_j / sum(c.interval_s for c in cuts), 1),
+            "rel_diff": round(abs(counter_j - ref_j) / ref_j, 4)}
+out = {"gpu": meter.describe(0)[0], "idle": phase(False, 8, None), "busy": phase(True, 15, 7)}
+stop.set()
+print(json.dumps(out))
+for p in ("idle", "busy"):
+    assert out[p]["sources"] == ["nvml"], out
+    assert out[p]["rel_diff"] < 0.1, out
+assert out["busy"]["job_ids"] == [7] and out["idle"]["job_ids"] == [0]
+assert out["busy"]["mean_w"] > out["idle"]["mean_w"]
+'
+else
+  record node_power "skipped: needs a GPU, pynvml and pydantic" ""
 fi
 
 if [ "$GPUS" -ge 1 ] && [ "$MODULE_OK" = 1 ]; then

@@ -17,8 +17,8 @@ Prints {"policies", "targets", "by_series", "settings"}. "targets" holds, per se
 target of issue 21 as {"figure", "upper_bound", "goal", "met"}:
 - carbon_at_same_deadline_ratio: 1 - kg of the cleanest GreenFlow run (any price) meeting at
   least carbon-agnostic's deadline ratio / carbon-agnostic's kg; upper_bound: no policy meeting
-  the deadlines carbon-agnostic meets can save more (each such job alone at its least-energy count
-  that meets its deadline, in the cleanest hour of its window); goal 0.8 x the bound.
+  the deadlines carbon-agnostic meets can save more (bench/bounds/carbon.py: an LP over counts x
+  hour pieces of each job's window with the cluster's capacity); goal 0.8 x the bound.
 - jct_vs_lagrangian_bound: GreenFlow's capped average JCT / a lower bound on any schedule's
   under the same budget (the higher of bench/bounds/fluid.py and bench/bounds/lagrangian.py);
   upper_bound here is the best any schedule could show, 1.0; goal 1.10 (lower is better).
@@ -56,13 +56,14 @@ from typing import Any
 
 import numpy as np
 
+from bench.bounds.carbon import CarbonBound, least_kg_meeting
 from bench.bounds.fluid import JctBound, avg_jct_lower_bound
 from bench.bounds.lagrangian import (
     LagrangianBound,
     avg_jct_lagrangian_bound,
 )
 from energy_model.carbon.series import IntensitySeries, load_intensity_csv
-from energy_model.profiles import ScalingProfile, load_scaling_profiles
+from energy_model.profiles import load_scaling_profiles
 from scheduler_service.simulate.engine import (
     CarbonClock,
     SimulationConfig,
@@ -101,60 +102,20 @@ def figures(report: SimulationReport, wall_s: float) -> dict[str, Any]:
         "deadline_jobs": report.deadline_jobs,
         "budget_kg": report.budget_kg,
         "budget_violations": report.budget_violations,
+        "admitted_missed": report.admitted_missed,
+        "placement_lowered": report.placement_lowered,
+        "admitted_missed_lowered": report.admitted_missed_lowered,
         "solver_s_mean": round(report.solver_s_mean, 4),
         "wall_s": round(wall_s, 1),
     }
 
 
-def least_kg_per_job(
-    jobs: list[TraceJob],
-    series: IntensitySeries,
-    profiles: dict[str, ScalingProfile],
-    capacity_gpus: int,
-) -> dict[str, float]:
-    """Per deadline job that can meet its deadline alone: the least kg any policy can meet it with.
-
-    Its work at the allowed count with the fewest joules per sample among those that finish
-    within the deadline window, all of it at the cleanest hour's intensity inside the window
-    (contention ignored). Jobs no count can finish in time are left out (nobody meets them).
-    """
-    clock = CarbonClock(series, pue=1.0)
-    out = {}
-    for job in jobs:
-        if job.deadline_s is None:
-            continue
-        window_s = job.deadline_s - job.submission_s
-        tables = job_tables(job, profiles, capacity_gpus)
-        joules = [
-            power / rate
-            for rate, power in zip(tables.throughput_samples_per_s, tables.power_w, strict=True)
-            if job.total_samples / rate <= window_s
-        ]
-        if not joules:
-            continue
-        # The series is hourly steps: the cleanest piece of the window between hour marks.
-        marks = [job.submission_s]
-        hour = (job.submission_s // 3600 + 1) * 3600
-        while hour < job.deadline_s:
-            marks.append(hour)
-            hour += 3600
-        marks.append(job.deadline_s)
-        cleanest = min(clock.mean_intensity(a, b) for a, b in itertools.pairwise(marks) if b > a)
-        out[job.job_id] = job.total_samples * min(joules) / 3.6e6 * cleanest / 1000.0
-    return out
-
-
-def carbon_saving_bound(
-    least_kg: dict[str, float], met_ids: list[str], reference_kg: float
-) -> float | None:
-    """Most carbon a policy meeting the same deadlines as the reference can save against it.
-
-    Meeting those jobs' deadlines costs at least their least kg (least_kg_per_job), so
-    1 - that / reference_kg bounds the saving from above (contention only makes it worse).
-    """
+def carbon_saving_bound(bound: CarbonBound, reference_kg: float) -> float | None:
+    """Most carbon a policy meeting the same deadlines as the reference can save against it:
+    meeting them costs at least `bound.kg` (bench/bounds/carbon.py)."""
     if reference_kg <= 0:
         return None
-    return round(1.0 - sum(least_kg.get(j, 0.0) for j in met_ids) / reference_kg, 4)
+    return round(1.0 - bound.kg / reference_kg, 4)
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -453,10 +414,10 @@ NOT_RUN = {"figure": None, "upper_bound": None, "goal": None, "met": False, "ran
 
 
 def deadline_target(
-    results: dict[str, dict[str, Any]], least_kg: dict[str, float], ca_met_ids: list[str]
+    results: dict[str, dict[str, Any]], least: CarbonBound | None
 ) -> dict[str, Any]:
     """carbon_at_same_deadline_ratio on one series' deadlines-scenario runs."""
-    if "carbon-agnostic" not in results:
+    if "carbon-agnostic" not in results or least is None:
         return dict(NOT_RUN)
     ca = results["carbon-agnostic"]
     same_dl = [
@@ -467,7 +428,7 @@ def deadline_target(
     ]
     best = min(same_dl, key=lambda kr: kr[1]["emissions_kg"]) if same_dl else None
     saving = round(1 - best[1]["emissions_kg"] / ca["emissions_kg"], 4) if best else None
-    bound = carbon_saving_bound(least_kg, ca_met_ids, ca["emissions_kg"])
+    bound = carbon_saving_bound(least, ca["emissions_kg"])
     # The cleanest run whatever its deadline ratio: what the price buys at a deadline lost.
     priced = [
         (k, r) for k, r in results.items() if k == "greenflow" or k.startswith("greenflow-price-")
@@ -476,6 +437,9 @@ def deadline_target(
     return {
         **target(saving, bound, None if bound is None else round(GOAL_SHARE_OF_BOUND * bound, 4)),
         "run": best[0] if best else None,
+        # The bound's LP: the least kg of meeting carbon-agnostic's met deadlines.
+        "least_kg": round(least.kg, 4),
+        "carbon_agnostic_kg": ca["emissions_kg"],
         "deadline_met_ratio": {
             "greenflow": best[1]["deadline_met_ratio"] if best else None,
             "carbon-agnostic": ca["deadline_met_ratio"],
@@ -588,6 +552,10 @@ def main() -> None:
     parser.add_argument("--scenarios", default="deadlines,budget,slack")
     parser.add_argument("--charts-dir", type=Path, default=Path("docs/img"))
     parser.add_argument("--no-charts", action="store_true")
+    # Node-aware replays (issue 20): plans go through the live service's placement onto the
+    # --cluster nodes, of which the first --spannable-nodes may be spanned (default all).
+    parser.add_argument("--placement", choices=("pooled", "nodes"), default="pooled")
+    parser.add_argument("--spannable-nodes", type=int, default=None)
     args = parser.parse_args()
     if args.lagrangian_iterations < 0:
         parser.error("--lagrangian-iterations must be >= 0")
@@ -632,6 +600,8 @@ def main() -> None:
             horizon_slots=args.horizon_slots,
             time_limit_s=args.time_limit_s,
             seed=args.seed,
+            placement=args.placement,
+            spannable_nodes=args.spannable_nodes,
             **extra,
         )
 
@@ -656,12 +626,14 @@ def main() -> None:
             print(f"{name} {key}: {json.dumps(results[key])}", file=sys.stderr)
             return report
 
-        ca_met: list[str] = []
+        least = None
         if "deadlines" in scenarios:
             for policy in BASELINES:
                 report = run(policy, policy)
                 if policy == "carbon-agnostic":
                     ca_met = [o.job_id for o in report.outcomes if o.deadline_met]
+                    clock = CarbonClock(series, pue=1.0)
+                    least = least_kg_meeting(jobs, ca_met, clock, profiles, capacity)
             for price in prices:
                 run(f"greenflow-price-{price:g}", "greenflow", carbon_price_s_per_kg=price)
         jct_bound = lagrangian = capped_key = None
@@ -728,9 +700,8 @@ def main() -> None:
             allowance_s = (ca_slack.avg_jct_all_s or 0.0) * (1 + SLACK_JCT_INCREASE) * len(options)
             slack_bound = slack_saving_bound(options, allowance_s, ca_slack.emissions_kg)
         by_series[name] = results
-        least_kg = least_kg_per_job(jobs, series, profiles, capacity)
         per_series[name] = {
-            "carbon_at_same_deadline_ratio": deadline_target(results, least_kg, ca_met),
+            "carbon_at_same_deadline_ratio": deadline_target(results, least),
             "jct_vs_lagrangian_bound": jct_target(results, jct_bound, lagrangian, capped_key),
             "slack_workload_carbon": slack_target(results, slack_bound),
             "frontier": frontier(results),
@@ -758,6 +729,8 @@ def main() -> None:
         "trace": args.trace,
         "jobs": len(jobs),
         "cluster": args.cluster,
+        "placement": args.placement,
+        "spannable_nodes": args.spannable_nodes,
         "series": args.series.split(","),
         "scenarios": sorted(scenarios),
         "slot_s": args.slot_s,

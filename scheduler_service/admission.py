@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.orm import Session
 
 from energy_model.carbon.forecast import CarbonForecast, ForecastPoint, PointKind, Signal
-from energy_model.job_model import prior_job_model
+from energy_model.job_model import JobModel, JobModelFitter, prior_job_model
 from scheduler_service.allocation.admission import (
     AdmissionDecision,
     HeldGpus,
     admit,
     admit_on_spare,
+    refused,
+    team_budget_refusal,
+    unlisted_load,
+    without_held,
 )
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import (
@@ -30,6 +34,7 @@ from scheduler_service.allocation.problem import (
 from scheduler_service.allocation.snapshot import PlannableJob, plan_job
 from scheduler_service.carbon.repository import CarbonRepository
 from scheduler_service.db.base import utcnow
+from scheduler_service.db.models import CarbonForecastRecord
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.schemas import JobSpec as JobRequest
 from scheduler_service.planning import JobModels, PlanningInput, live_knobs, read_snapshot
@@ -45,9 +50,15 @@ SNAPSHOT_REUSE_S = 5.0
 log = logging.getLogger("greenflow.admission")
 
 
-def _known_forecast(session: Session, config: GreenflowConfig, now: datetime) -> CarbonForecast:
-    """The newest stored forecast, or the conservative intensity when none was fetched yet."""
-    record = CarbonRepository(session).latest_forecast()
+def _known_forecast(
+    session: Session,
+    config: GreenflowConfig,
+    now: datetime,
+    record: CarbonForecastRecord | None = None,
+) -> CarbonForecast:
+    """The newest stored forecast (`record`, when read already), or the conservative intensity
+    when none was fetched yet."""
+    record = record or CarbonRepository(session).latest_forecast()
     if record is not None:
         points = tuple(ForecastPoint.model_validate(p) for p in record.points)
         forecast = CarbonForecast(
@@ -90,12 +101,41 @@ def check_admission(
     return Admission(config).check(session, request, total_samples, now).decision
 
 
+@dataclass
+class BorrowedModels(JobModels):
+    """Admission's job models when the control loop runs in this process: the loop's latest
+    fit of each job (its `JobModels`), else the job's prior; no telemetry read and no refit on a
+    request's path (a first snapshot read refitting hundreds of jobs took 7-9 s at load 20)."""
+
+    loop_models: JobModels | None = None
+
+    def refresh(self, session: Session, priors: dict[int, JobModel]) -> None:
+        """Keep each planned job's prior (the loop reads the telemetry and refits)."""
+        for job_id, prior in priors.items():
+            fitter = self.fitters.get(job_id)
+            if fitter is None or fitter.prior.allowed_gpus != prior.allowed_gpus:
+                self.fitters[job_id] = JobModelFitter(prior)
+
+    def fitted(self, job_ids: Iterable[int]) -> dict[int, JobModel]:
+        """The loop's current model of each job where it fits the same counts, else the prior."""
+        loop = self.loop_models.fitters if self.loop_models is not None else {}
+        out = {}
+        for job_id in job_ids:
+            own = self.fitters[job_id]
+            theirs = loop.get(job_id)
+            same = theirs is not None and theirs.prior.allowed_gpus == own.prior.allowed_gpus
+            out[job_id] = theirs.model if same and theirs is not None else own.model
+        return out
+
+
 @dataclass(frozen=True)
 class AdmissionResult:
-    """A decision and what the new job was promised (its counts from the problem's start)."""
+    """A decision, what the new job was promised (its counts from the problem's start), and the
+    key its promise is held under until `Admission.bind` or `Admission.withdraw`."""
 
     decision: AdmissionDecision
     held: HeldGpus | None = None
+    key: str | None = None
 
 
 @dataclass
@@ -112,106 +152,193 @@ class AdmissionStats:
 class Admission:
     """Admission in one scheduler process: one check at a time, incremental where it can be.
 
-    A new deadline is checked first against the plan in force and the jobs admitted since
-    (`allocation.admission.admit_on_spare`: the GPUs and budget they leave, no other job moved);
-    only when that cannot tell is the whole problem solved with the loop's policy (`admit`).
-    Checks run one at a time behind one lock, from the snapshot read to the job's reservation,
-    so a burst queues instead of solving in parallel and each check sees the ones before it.
-    Job models are kept between checks (refitted from new telemetry only, as the loop's are).
+    A new deadline is checked first against the plan in force and the promises made since
+    (`allocation.admission.admit_on_spare`: the GPUs and budgets they leave, no other job
+    moved); only when that cannot tell is the whole problem solved with the loop's policy
+    (`admit`), on what the promises of jobs the snapshot does not list yet leave. The reads (the
+    forecast, the snapshot) come before the check's turn; the check itself runs behind one lock
+    and holds an admitted job's promise in process memory before the turn ends, under a
+    provisional key until the job is stored (`bind`) or not (`withdraw`). So a burst queues
+    instead of solving in parallel, each check sees every promise before it, committed or not,
+    and the job's INSERT and commit run outside the turn. Job models are kept between checks
+    (refitted from new telemetry only, as the loop's are).
     """
 
     def __init__(
         self,
         config: GreenflowConfig,
         plan_in_force: Callable[[], AllocationPlan | None] | None = None,
+        loop_models: JobModels | None = None,
     ) -> None:
         self.config = config
         # The loop's plan when it runs in this process (else the newest stored plan is read).
         self.plan_in_force = plan_in_force
-        self.models = JobModels(refit_interval_s=config.planner.model_refit_interval_s)
+        # With the loop in this process its models are borrowed; else admission refits its own,
+        # at most as many a read as the loop does a tick.
+        self.models: JobModels = (
+            BorrowedModels(loop_models=loop_models)
+            if loop_models is not None
+            else JobModels(
+                refit_interval_s=config.planner.model_refit_interval_s,
+                max_refits=config.planner.model_refits_per_tick,
+            )
+        )
         self.stats = AdmissionStats()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the check's turn
+        self._snapshot_lock = threading.Lock()  # one snapshot read (and model refit) at a time
+        self._reserved_lock = threading.Lock()  # the promises, changed outside the turn too
         self._running = 0
-        # Job id -> what it was promised, until a plan made after the promise is in force.
+        # Job id (or provisional key) -> what it was promised, until a plan made after the
+        # promise is in force.
         self._reserved: dict[str, HeldGpus] = {}
-        self._reserved_at: dict[str, float] = {}  # job id -> time.monotonic() of the promise
+        self._reserved_at: dict[str, float] = {}  # key -> time.monotonic() of the promise
+        self._keys = itertools.count(1)
         self._snapshot_cache: tuple[float, PlanningInput] | None = None
+        self._forecast_cache: tuple[tuple[int, datetime], CarbonForecast] | None = None
+        self._in_force_cache: tuple[AllocationPlan, HeldGpus] | None = None
         self.snapshot_reuse_s = SNAPSHOT_REUSE_S
-
-    @contextmanager
-    def turn(self) -> Iterator[Admission]:
-        """Hold the admission lock: check, then reserve for the stored job, in one turn."""
-        with self._lock:
-            yield self
 
     def check(
         self, session: Session, request: JobRequest, total_samples: int, now: datetime
     ) -> AdmissionResult:
-        """Whether a job with a deadline can be admitted without breaking admitted deadlines."""
-        self.stats.checks += 1
-        self._running += 1
-        self.stats.most_at_once = max(self.stats.most_at_once, self._running)
+        """Whether a job with a deadline can be admitted without breaking admitted deadlines;
+        an admitted job's promise is held (`AdmissionResult.key`) until `bind` or `withdraw`."""
         began = time.perf_counter()
         solves = self.stats.solves
-        # The request's time was taken before it waited for its turn: check from now (the
-        # plan in force and the promises before it may start later than the request did).
-        now = max(now, utcnow())
-        try:
-            return self._check(session, request, total_samples, now)
-        finally:
-            self._running -= 1
-            log.info(
-                "admission check in %.3f s (%s)",
-                time.perf_counter() - began,
-                "full solve" if self.stats.solves > solves else "on the plan in force",
-            )
+        forecast = self._forecast(session, now)
+        planning, reused = self._planning(session, forecast, now)
+        with self._lock:
+            self.stats.checks += 1
+            self._running += 1
+            self.stats.most_at_once = max(self.stats.most_at_once, self._running)
+            # The request's time was taken before it waited for its turn: check from now (the
+            # plan in force and the promises before it may start later than the request did).
+            now = max(now, utcnow())
+            try:
+                result = self._check(session, request, total_samples, now, forecast, planning)
+                if reused and result is None:
+                    # The burst's snapshot could not tell: try once more on a fresh one.
+                    planning, _ = self._planning(session, forecast, now, fresh=True)
+                    result = self._check(session, request, total_samples, now, forecast, planning)
+                if result is None:
+                    result = self._solve(session, request, total_samples, now, planning)
+                return self._hold(result)
+            finally:
+                self._running -= 1
+                log.info(
+                    "admission check in %.3f s (%s)",
+                    time.perf_counter() - began,
+                    "full solve" if self.stats.solves > solves else "on the plan in force",
+                )
 
-    def reserve(self, job_id: int, result: AdmissionResult) -> None:
-        """Count the admitted job's promised GPUs in the checks that follow."""
-        if result.held is not None and result.decision.admitted:
-            self._reserved[str(job_id)] = HeldGpus(
-                result.held.start_at,
-                result.held.slot_s,
-                {str(job_id): result.held.gpus["new"]},
-                {str(job_id): w} if (w := result.held.power_w.get("new")) is not None else {},
-            )
+    def bind(self, job_id: int, result: AdmissionResult) -> None:
+        """Hold the promise made under `result.key` for the stored job `job_id` from now on."""
+        if result.key is None:
+            return
+        with self._reserved_lock:
+            held = self._reserved.pop(result.key, None)
+            self._reserved_at.pop(result.key, None)
+            if held is None:
+                return
+            self._reserved[str(job_id)] = _rekeyed(held, result.key, str(job_id))
             self._reserved_at[str(job_id)] = time.monotonic()
 
-    def _check(
-        self, session: Session, request: JobRequest, total_samples: int, now: datetime
-    ) -> AdmissionResult:
-        config = self.config
-        forecast = _known_forecast(session, config, now)
-        planning, reused = self._planning(session, forecast, now)
-        largest = planning.snapshot.largest_node_gpus
+    def forget(self, job_id: int) -> None:
+        """Drop the promise held for `job_id` (its submission was rolled back)."""
+        with self._reserved_lock:
+            self._reserved.pop(str(job_id), None)
+            self._reserved_at.pop(str(job_id), None)
+
+    def withdraw(self, result: AdmissionResult) -> None:
+        """Drop the promise made under `result.key` (its job was not stored)."""
+        if result.key is None:
+            return
+        with self._reserved_lock:
+            self._reserved.pop(result.key, None)
+            self._reserved_at.pop(result.key, None)
+
+    def _hold(self, result: AdmissionResult) -> AdmissionResult:
+        """Hold an admitted job's promise under a provisional key (in the check's turn, so the
+        next check counts it while the job's submission commits)."""
+        held = result.held
+        if held is None or not result.decision.admitted or "new" not in held.gpus:
+            return result
+        key = f"pending-{next(self._keys)}"
+        with self._reserved_lock:
+            self._reserved[key] = _rekeyed(held, "new", key)
+            self._reserved_at[key] = time.monotonic()
+        return AdmissionResult(result.decision, held, key)
+
+    def _team(self, request: JobRequest) -> str | None:
+        """The team whose budget the request's queue draws on (None: none)."""
+        return self.config.budget.team_of(request.queue)
+
+    def _allowed(
+        self, planning: PlanningInput, request: JobRequest
+    ) -> tuple[int, ...] | AdmissionResult:
+        """The job's allowed GPU counts on this cluster, or the rejection saying why none."""
+        # As the loop plans (`read_rows`): a job may span the nodes whose agents reach each other.
+        largest = planning.snapshot.job_gpus_max
         if largest == 0:
             return AdmissionResult(
                 AdmissionDecision(False, False, "no GPUs are registered with the scheduler", None)
             )
         try:
-            allowed = allowed_gpu_counts(request.min_gpus, min(request.max_gpus, largest))
+            return allowed_gpu_counts(request.min_gpus, min(request.max_gpus, largest))
         except InvalidProblem:
             return AdmissionResult(
                 AdmissionDecision(
                     False,
                     False,
-                    f"needs at least {request.min_gpus} GPUs on one node; the largest node "
-                    f"has {largest}",
+                    f"needs at least {request.min_gpus} GPUs; a job gets at most {largest} (the "
+                    "largest ready node, or all nodes a job may span together)",
                     None,
                 )
             )
+
+    def _check(
+        self,
+        session: Session,
+        request: JobRequest,
+        total_samples: int,
+        now: datetime,
+        forecast: CarbonForecast,
+        planning: PlanningInput,
+    ) -> AdmissionResult | None:
+        """The incremental check on this snapshot (None: it cannot tell)."""
+        allowed = self._allowed(planning, request)
+        if isinstance(allowed, AdmissionResult):
+            return allowed
         in_force = self._in_force(session)
-        fast = self._on_spare(planning, request, total_samples, allowed, now, in_force)
-        if fast is not None:
-            return AdmissionResult(*fast)
-        if reused:
-            # The burst's snapshot could not tell: try once more on a fresh one.
-            planning, _ = self._planning(session, forecast, now, fresh=True)
-            fast = self._on_spare(planning, request, total_samples, allowed, now, in_force)
-            if fast is not None:
-                return AdmissionResult(*fast)
         problem = planning.problem
+        listed = {job.job_id for job in problem.jobs}
+        stale = time.monotonic() - RESERVATION_GRACE_S
+        # A promise no snapshot lists for a while is of a job that is gone.
+        self._keep_reserved(lambda k: k in listed or self._reserved_at.get(k, 0.0) > stale)
         new_job = self._new_job(planning, request, total_samples, allowed, now)
+        team = self._team(request)
+        # A job its team's hard budget cannot pay for even alone: no plan would run it.
+        if team is not None and (short := team_budget_refusal(problem, new_job, team)):
+            return AdmissionResult(refused(new_job, short))
+        fast = admit_on_spare(problem, new_job, in_force, self._promises(), team=team)
+        return None if fast is None else AdmissionResult(*fast)
+
+    def _solve(
+        self,
+        session: Session,
+        request: JobRequest,
+        total_samples: int,
+        now: datetime,
+        planning: PlanningInput,
+    ) -> AdmissionResult:
+        """The full check: the loop's policy on the snapshot's problem with the new job, on
+        what the promises of jobs the snapshot does not list yet (committing) leave."""
+        config = self.config
+        allowed = self._allowed(planning, request)
+        if isinstance(allowed, AdmissionResult):
+            return allowed
+        new_job = self._new_job(planning, request, total_samples, allowed, now)
+        problem = without_held(planning.problem, unlisted_load(planning.problem, self._promises()))
         # The same policy as the control loop: admission promises what the loop will then plan.
         self.stats.solves += 1
         # Solve outside the request's transaction: everything it needs is read, nothing is
@@ -225,17 +352,33 @@ class Admission:
             time_limit_s=ADMISSION_TIME_LIMIT_S,
             seed=config.planner.seed,
             policy=get_policy(config.planner.policy),
+            team=self._team(request),
         )
         held = None
         if decision.plan is not None and "new" in decision.plan.gpus:
             watts = dict(zip(new_job.allowed_gpus, new_job.power_w, strict=True))
+            team = self._team(request)
             held = HeldGpus(
                 problem.start_at,
                 problem.slot_s,
                 {"new": decision.plan.gpus["new"]},
                 {"new": {0: 0.0, **watts}},
+                {"new": team} if team is not None else {},
             )
         return AdmissionResult(decision, held)
+
+    def _forecast(self, session: Session, now: datetime) -> CarbonForecast:
+        """`_known_forecast`, its points parsed once per stored forecast."""
+        record = CarbonRepository(session).latest_forecast()
+        if record is None:
+            return _known_forecast(session, self.config, now)
+        key = (record.id, record.fetched_at)
+        cached = self._forecast_cache
+        if cached is not None and cached[0] == key and cached[1].points[0].at <= now:
+            return cached[1]
+        forecast = _known_forecast(session, self.config, now, record)
+        self._forecast_cache = (key, forecast)
+        return forecast
 
     def _planning(
         self, session: Session, forecast: CarbonForecast, now: datetime, *, fresh: bool = False
@@ -245,20 +388,24 @@ class Admission:
         A burst's checks share one snapshot for `SNAPSHOT_REUSE_S`: reading 1,000 queued jobs
         and their models is most of a check, and what changed since is covered, for the
         incremental check, by the promises made since (reserved) and the plan in force (read
-        anew each time); jobs that finished since only leave more room.
+        anew each time); jobs that finished since only leave more room. Read before the check's
+        turn, one read at a time (the models are refitted in it).
         """
-        cached = self._snapshot_cache
-        if (
-            not fresh
-            and cached is not None
-            and time.monotonic() - cached[0] <= self.snapshot_reuse_s
-            and cached[1].problem.start_at <= now
-        ):
-            return cached[1], True
-        planning = read_snapshot(session, self.config, forecast, self.models, now)
-        self.stats.snapshots += 1
-        self._snapshot_cache = (time.monotonic(), planning)
-        return planning, False
+        with self._snapshot_lock:
+            # From when the lock is had: a snapshot another check read meanwhile is not newer.
+            now = max(now, utcnow())
+            cached = self._snapshot_cache
+            if (
+                not fresh
+                and cached is not None
+                and time.monotonic() - cached[0] <= self.snapshot_reuse_s
+                and cached[1].problem.start_at <= now
+            ):
+                return cached[1], True
+            planning = read_snapshot(session, self.config, forecast, self.models, now)
+            self.stats.snapshots += 1
+            self._snapshot_cache = (time.monotonic(), planning)
+            return planning, False
 
     def _new_job(
         self,
@@ -289,30 +436,23 @@ class Admission:
             live_knobs(self.config),
         )
 
-    def _on_spare(
-        self,
-        planning: PlanningInput,
-        request: JobRequest,
-        total_samples: int,
-        allowed: tuple[int, ...],
-        now: datetime,
-        in_force: HeldGpus | None,
-    ) -> tuple[AdmissionDecision, HeldGpus] | None:
-        """The incremental check on this snapshot (None: it cannot tell)."""
-        problem = planning.problem
-        listed = {job.job_id for job in problem.jobs}
-        stale = time.monotonic() - RESERVATION_GRACE_S
-        # A promise no snapshot lists for a while is of a job that is gone.
-        self._keep_reserved(lambda k: k in listed or self._reserved_at.get(k, 0.0) > stale)
-        new_job = self._new_job(planning, request, total_samples, allowed, now)
-        return admit_on_spare(problem, new_job, in_force, tuple(self._reserved.values()))
+    def _promises(self) -> tuple[HeldGpus, ...]:
+        """The promises held now (those of stored jobs and of jobs still committing)."""
+        with self._reserved_lock:
+            return tuple(self._reserved.values())
 
     def _in_force(self, session: Session) -> HeldGpus | None:
-        """The plan in force, and the reservations still to count on top of it."""
+        """The plan in force (its rows built once per plan), and the reservations still to
+        count on top of it."""
         plan = self.plan_in_force() if self.plan_in_force is not None else None
         held: HeldGpus | None
         if plan is not None:
-            held = HeldGpus(plan.start_at, plan.slot_s, dict(plan.gpus))
+            cached = self._in_force_cache
+            if cached is not None and cached[0] is plan:
+                held = cached[1]
+            else:
+                held = HeldGpus(plan.start_at, plan.slot_s, dict(plan.gpus))
+                self._in_force_cache = (plan, held)
         else:
             row = AllocationRepository(session).latest_plan()
             held = (
@@ -332,9 +472,21 @@ class Admission:
         return held
 
     def _keep_reserved(self, keep: Callable[[str], bool]) -> None:
-        """Drop the reservations whose job ids `keep` refuses."""
-        self._reserved = {k: r for k, r in self._reserved.items() if keep(k)}
-        self._reserved_at = {k: t for k, t in self._reserved_at.items() if k in self._reserved}
+        """Drop the reservations whose keys `keep` refuses."""
+        with self._reserved_lock:
+            self._reserved = {k: r for k, r in self._reserved.items() if keep(k)}
+            self._reserved_at = {k: t for k, t in self._reserved_at.items() if k in self._reserved}
+
+
+def _rekeyed(held: HeldGpus, old: str, new: str) -> HeldGpus:
+    """`held`'s promise to the job `old`, as one to the job `new`."""
+    return HeldGpus(
+        held.start_at,
+        held.slot_s,
+        {new: held.gpus[old]},
+        {new: w} if (w := held.power_w.get(old)) is not None else {},
+        {new: t} if (t := held.teams.get(old)) is not None else {},
+    )
 
 
 def _aware(at: datetime) -> datetime:

@@ -157,7 +157,11 @@ def create_app(settings: Settings, config: GreenflowConfig) -> FastAPI:
     app.state.token_cache = TokenCache(settings.auth_cache_s)
     app.state.wake_control_loop = loop.wake if loop is not None else (lambda: None)
     # One admission per process: its checks queue behind one lock, against the loop's plan.
-    app.state.admission = Admission(config, (lambda: loop.previous) if loop is not None else None)
+    app.state.admission = (
+        Admission(config, lambda: loop.previous, loop.models)
+        if loop is not None
+        else Admission(config)
+    )
     app.state.agent_timing = AgentTiming(
         config.cluster.agent_heartbeat_interval_s, config.cluster.agent_telemetry_interval_s
     )

@@ -165,6 +165,42 @@ def place_jobs(
     return out
 
 
+def place_plan(
+    gpus: Mapping[int, Sequence[int]],
+    current: Mapping[int, Placement],
+    nodes: Sequence[NodeSlots],
+    allowed: Mapping[int, Sequence[int]],
+    order: Sequence[int],
+    home: Mapping[int, int] | None = None,
+    tp: Mapping[int, int] | None = None,
+    span_nodes: bool = False,
+    spannable: Collection[int] | None = None,
+) -> dict[int, tuple[int, ...]]:
+    """The GPU counts each slot of a plan (`gpus`: counts per job and slot) runs at once placed:
+    `place_jobs` on every slot in turn, each from where the slot before left the jobs."""
+    rows: dict[int, list[int]] = {job_id: [] for job_id in gpus}
+    homes = dict(home or {})
+    for t in range(max((len(row) for row in gpus.values()), default=0)):
+        placed = place_jobs(
+            {job_id: row[t] for job_id, row in gpus.items()},
+            current,
+            nodes,
+            allowed,
+            order,
+            homes,
+            tp,
+            span_nodes,
+            spannable,
+        )
+        current = placed.placements
+        for job_id, row in rows.items():
+            where = current.get(job_id, NOWHERE)
+            row.append(where.gpus)
+            if where.node_id is not None:
+                homes[job_id] = where.node_id
+    return {job_id: tuple(row) for job_id, row in rows.items()}
+
+
 def _most_free(free: dict[int, list[int]], skip: set[int]) -> list[int]:
     return sorted((n for n in free if n not in skip), key=lambda n: (-len(free[n]), n))
 

@@ -30,6 +30,7 @@ from scheduler_service.allocation.snapshot import (
     ProblemKnobs,
     TeamWindows,
     build_problem,
+    most_gpus_per_job,
 )
 from scheduler_service.budget.ledger import (
     periods_for_horizon,
@@ -37,7 +38,7 @@ from scheduler_service.budget.ledger import (
     team_periods_for_horizon,
 )
 from scheduler_service.db.models import Job, Plan
-from scheduler_service.jobs.repository import JobRepository
+from scheduler_service.jobs.repository import JobRepository, PlanRow
 from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.settings import GreenflowConfig
@@ -140,7 +141,7 @@ class JobModels:
             self.refit_at_s.pop(job_id, None)
 
 
-def plan_facts(job: Job) -> tuple[object, ...]:
+def plan_facts(job: Job | PlanRow) -> tuple[object, ...]:
     """What of a job its plan depends on (not its progress, which telemetry moves all the time)."""
     return (
         job.state,
@@ -257,15 +258,16 @@ class SnapshotRows:
 
     now: datetime
     node_gpus: tuple[int, ...]
-    # (job, allowed GPU counts, samples left) per plannable job; the rows stay readable after
-    # the transaction (the session factory does not expire them on commit).
-    chosen: tuple[tuple[Job, tuple[int, ...], int], ...]
+    # (job's row, allowed GPU counts, samples left) per plannable job: plain rows, no ORM objects.
+    chosen: tuple[tuple[PlanRow, tuple[int, ...], int], ...]
     unplaceable: dict[int, str]
     windows: tuple[BudgetWindow, ...]
     # Queues of teams whose soft budget is spent: their jobs are planned at the lowest priority.
     deprioritised: frozenset[str] = frozenset()
     # Per team with a hard budget: its queues and what it has left per period of the horizon.
     team_windows: tuple[tuple[str, frozenset[str], tuple[BudgetWindow, ...]], ...] = ()
+    # GPUs of each ready node whose agent advertised an address the others reach.
+    spannable_gpus: tuple[int, ...] = ()
 
 
 def read_snapshot(
@@ -290,15 +292,15 @@ def read_rows(
     node_gpus = tuple(len(n.slots) for n in nodes)
     # A job runs inside one node, or across the nodes whose agents reach each other (they
     # advertised a rendezvous address): then it may use all of theirs together.
-    spannable = [len(n.slots) for n in nodes if n.rendezvous_host and n.worker_host_port]
-    largest_node = max(max(node_gpus, default=0), sum(spannable) if len(spannable) > 1 else 0)
+    spannable = tuple(len(n.slots) for n in nodes if n.rendezvous_host and n.worker_host_port)
+    largest_node = most_gpus_per_job(node_gpus, spannable)
     unplaceable: dict[int, str] = {}
-    chosen: list[tuple[Job, tuple[int, ...], int]] = []
+    chosen: list[tuple[PlanRow, tuple[int, ...], int]] = []
     # Queues whose team's hard budget is spent wait for the next period; a spent soft one's
     # jobs are planned at the lowest priority.
     spent = spent_team_queues(session, config, now)
     over_budget, deprioritised = spent["hard"], spent["soft"]
-    for job in JobRepository(session).in_states([s.value for s in PLANNABLE_STATES]):
+    for job in JobRepository(session).plan_rows_in_states([s.value for s in PLANNABLE_STATES]):
         if (
             job.held
             or job.queue in over_budget
@@ -359,6 +361,7 @@ def read_rows(
         windows,
         frozenset(deprioritised),
         team_windows,
+        spannable,
     )
 
 
@@ -396,6 +399,7 @@ def assemble_snapshot(
         slot_s=slot_s,
         num_slots=num_slots,
         node_gpus=rows.node_gpus,
+        spannable_gpus=rows.spannable_gpus,
         intensity_g_per_kwh=planned_intensities(forecast, config, now, slot_s, num_slots),
         jobs=tuple(plannable),
         budget_windows=rows.windows,

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from functools import cached_property
 
 import numpy as np
 
@@ -14,7 +15,9 @@ from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
     BudgetMode,
+    BudgetPeriod,
     JobSpec,
+    TeamBudget,
     evaluate_gpus,
     make_plan,
 )
@@ -39,9 +42,11 @@ def admit(
     seed: int = 0,
     policy: Callable[..., AllocationPlan] | None = None,
     previous: AllocationPlan | None = None,
+    team: str | None = None,
 ) -> AdmissionDecision:
     """Admit `new_job` if the policy's plan meets its deadline without breaking admitted ones
-    (those the plan without it meets, or `previous`, the plan in force, met)."""
+    (those the plan without it meets, or `previous`, the plan in force, met); `team`: the new
+    job's team, whose hard budget (in `problem.team_budgets`) then binds it too."""
     plan_with = solve if policy is None else policy
     # Both solves start from the plan in force: a cold solve at half the time limit can miss a
     # deadline the plan in force meets, and a deadline the base plan misses was not guarded.
@@ -55,7 +60,7 @@ def admit(
         listed = {job.job_id for job in problem.jobs}
         met_before |= {k for k, v in previous.deadline_met.items() if v and k in listed}
     # replace() keeps every other field, including ones added to AllocationProblem later.
-    trial = replace(problem, jobs=(*problem.jobs, new_job))
+    trial = with_team(replace(problem, jobs=(*problem.jobs, new_job)), new_job.job_id, team)
     plan = plan_with(trial, previous=previous, time_limit_s=time_limit_s / 2, seed=seed)
     if new_job.deadline_s is None:
         return AdmissionDecision(True, False, "no deadline", plan)
@@ -84,6 +89,7 @@ def admit(
                 notes=(*unpriced.notes, "admission: found without the carbon price"),
             )
     broken = sorted(k for k in met_before if not plan.deadline_met.get(k, False))
+    cut_by = plan.team_cut.get(new_job.job_id)
     # The plans let each job run alone at full speed after the horizon; the promise must hold
     # for them together there too (issue 23).
     crowded: list[str] = []
@@ -99,8 +105,39 @@ def admit(
             "after the planning horizon the cluster has too few GPU-seconds for the deadlines"
             f" of {', '.join(crowded[:5])} together"
         )
+    elif cut_by is not None:
+        why = (
+            f"team '{cut_by}' hard carbon budget: what it has left does not pay for the job's "
+            "GPUs until its deadline"
+        )
+    elif team is not None and (short := _team_short(problem, base, new_job, team)) is not None:
+        why = short
     else:
         why = plan.missed_reasons.get(new_job.job_id, "no plan meets the deadline")
+    return refused(new_job, why, plan)
+
+
+def _team_short(
+    problem: AllocationProblem, base: AllocationPlan | None, new_job: JobSpec, team: str
+) -> str | None:
+    """Why `team`'s hard budget cannot pay for `new_job` once its deadline jobs in `base` spend
+    theirs (None: it might)."""
+    budget = next((t for t in problem.team_budgets if t.team == team), None)
+    if budget is None:
+        return None
+    power = np.zeros(problem.num_slots)
+    for job in problem.jobs:
+        if base is None or job.job_id not in budget.job_ids or job.deadline_s is None:
+            continue
+        watts = dict(zip(job.allowed_gpus, job.power_w, strict=True))
+        power += np.asarray([watts.get(g, 0.0) for g in base.gpus.get(job.job_id, ())] or 0.0)
+    spent = replace(budget, periods=_kg_left(problem, budget.periods, power))
+    return team_budget_refusal(replace(problem, team_budgets=(spent,)), new_job, team)
+
+
+def refused(new_job: JobSpec, why: str, plan: AllocationPlan | None = None) -> AdmissionDecision:
+    """A deadline that cannot be promised: queued without a guarantee if best-effort, else
+    rejected, with the reason."""
     if new_job.best_effort:
         return AdmissionDecision(True, False, f"queued best-effort: {why}", plan)
     return AdmissionDecision(False, False, f"rejected: {why}", plan)
@@ -157,22 +194,154 @@ class HeldGpus:
     # Power (W) per allowed count of held jobs a problem may not list yet (a reservation whose
     # submission is committing): a hard budget can then count them too.
     power_w: dict[str, dict[int, float]] = field(default_factory=dict)
+    # The team (with a hard budget) of held jobs a problem may not list yet: their kg count
+    # against it.
+    teams: dict[str, str] = field(default_factory=dict)
+
+    @cached_property
+    def _matrix(self) -> tuple[dict[str, int], np.ndarray]:
+        """Row index per job and the rows padded with each row's last count (an empty row: 0)."""
+        index = {job_id: i for i, job_id in enumerate(self.gpus)}
+        width = max((len(row) for row in self.gpus.values()), default=0)
+        matrix = np.zeros((len(index), max(width, 1)), dtype=np.int64)
+        for i, row in enumerate(self.gpus.values()):
+            if row:
+                matrix[i, : len(row)] = row
+                matrix[i, len(row) :] = row[-1]
+        return index, matrix
+
+    def rows(self, problem: AllocationProblem, job_ids: Sequence[str]) -> np.ndarray:
+        """`over` for many held jobs at once: a jobs x slots matrix (numpy, no loop per slot)."""
+        index, matrix = self._matrix
+        shift = (problem.start_at - self.start_at).total_seconds() / self.slot_s
+        t = np.arange(problem.num_slots, dtype=float)
+        last_col = matrix.shape[1] - 1
+        first = np.clip(np.floor(shift + t + 1e-9), 0, last_col).astype(np.int64)
+        last = np.clip(np.ceil(shift + t + 1 - 1e-9) - 1, 0, last_col).astype(np.int64)
+        picked = matrix[[index[j] for j in job_ids]]
+        # Equal slot lengths: a problem slot overlaps at most two held slots.
+        return np.maximum(picked[:, first], picked[:, last])
 
     def over(self, problem: AllocationProblem, job_id: str) -> tuple[int, ...] | None:
         """The job's count in each of the problem's slots, the most of the (up to two) slots of
         its own that each overlaps; past its end, its last count (None: not held here)."""
-        row = self.gpus.get(job_id)
-        if row is None:
+        if job_id not in self.gpus:
             return None
-        if not row:
-            return (0,) * problem.num_slots
-        shift = (problem.start_at - self.start_at).total_seconds() / self.slot_s
-        out = []
-        for t in range(problem.num_slots):
-            first = max(0, math.floor(shift + t + 1e-9))
-            last = max(0, math.ceil(shift + t + 1 - 1e-9) - 1)
-            out.append(max(row[min(k, len(row) - 1)] for k in range(first, last + 1)))
-        return tuple(out)
+        return tuple(int(g) for g in self.rows(problem, (job_id,))[0])
+
+
+@dataclass(frozen=True)
+class HeldLoad:
+    """What some held jobs take per slot of a problem: GPUs, power (W) and power per team."""
+
+    gpus: np.ndarray
+    power_w: np.ndarray
+    team_power_w: dict[str, np.ndarray]
+    power_known: bool = True  # False: a held job's power is not known (its kg are not counted)
+
+
+def unlisted_load(problem: AllocationProblem, reserved: Sequence[HeldGpus]) -> HeldLoad:
+    """The GPUs and power of the reservations whose jobs the problem does not list (their
+    submission is committing, or their snapshot was read before it)."""
+    listed = {job.job_id for job in problem.jobs}
+    used = np.zeros(problem.num_slots, dtype=np.int64)
+    power = np.zeros(problem.num_slots)
+    team_power: dict[str, np.ndarray] = {}
+    known = True
+    for h in reserved:
+        ids = [job_id for job_id in h.gpus if job_id not in listed]
+        if not ids:
+            continue
+        rows = h.rows(problem, ids)
+        used += rows.sum(axis=0)
+        for job_id, row in zip(ids, rows, strict=True):
+            watts = h.power_w.get(job_id)
+            if watts is None:
+                known = False
+                continue
+            drawn = np.asarray([watts.get(int(g), 0.0) for g in row])
+            power += drawn
+            if (team := h.teams.get(job_id)) is not None:
+                team_power[team] = team_power.get(team, np.zeros(problem.num_slots)) + drawn
+    return HeldLoad(used, power, team_power, known)
+
+
+def _kg_left(
+    problem: AllocationProblem, periods: tuple[BudgetPeriod, ...], power_w: np.ndarray
+) -> tuple[BudgetPeriod, ...]:
+    """`periods` with the kg of `power_w` (W per slot) taken off what each has left."""
+    kg = power_w * problem.slot_emissions_kg_per_w()
+    out = []
+    for period in periods:
+        shares = problem.period_slots((period,))
+        spent = float((kg * shares[0][1]).sum()) if shares else 0.0
+        out.append(replace(period, budget_left_kg=period.budget_left_kg - spent))
+    return tuple(out)
+
+
+def without_held(problem: AllocationProblem, load: HeldLoad) -> AllocationProblem:
+    """The problem on the GPUs and budgets (the cluster's, the teams') that `load` leaves."""
+    return replace(
+        problem,
+        capacity_gpus=tuple(
+            int(c) for c in np.maximum(np.asarray(problem.capacity_gpus) - load.gpus, 0)
+        ),
+        budget_periods=tuple(
+            replace(p, budget_left_kg=max(0.0, p.budget_left_kg))
+            for p in _kg_left(problem, problem.budget_periods, load.power_w)
+        ),
+        team_budgets=tuple(
+            replace(
+                team,
+                periods=tuple(
+                    replace(p, budget_left_kg=max(0.0, p.budget_left_kg))
+                    for p in _kg_left(problem, team.periods, load.team_power_w[team.team])
+                ),
+            )
+            if team.team in load.team_power_w
+            else team
+            for team in problem.team_budgets
+        ),
+    )
+
+
+def with_team(problem: AllocationProblem, job_id: str, team: str | None) -> AllocationProblem:
+    """The problem with `job_id` one of `team`'s jobs (its hard budget then binds the job)."""
+    if team is None:
+        return problem
+    return replace(
+        problem,
+        team_budgets=tuple(
+            replace(t, job_ids=t.job_ids | {job_id}) if t.team == team else t
+            for t in problem.team_budgets
+        ),
+    )
+
+
+def team_budget_refusal(problem: AllocationProblem, new_job: JobSpec, team: str) -> str | None:
+    """Why `team`'s hard budget cannot pay for `new_job` by its deadline even with nothing else
+    of the team running (None: it might): the least kg the job's work takes, at its most
+    energy-efficient count in the cleanest slot before the deadline, against all the team has
+    left in the periods up to the deadline. Only for a deadline inside the horizon."""
+    budget = next((t for t in problem.team_budgets if t.team == team), None)
+    if budget is None or new_job.deadline_s is None or new_job.deadline_s > problem.horizon_s:
+        return None
+    window = math.ceil(new_job.deadline_s / problem.slot_s - 1e-9)
+    if window <= 0:
+        return None
+    joules_per_sample = min(
+        w / r for w, r in zip(new_job.power_w, new_job.throughput_samples_per_s, strict=True)
+    )
+    kg_per_j = float(problem.slot_emissions_kg_per_w()[:window].min()) / problem.slot_s
+    least_kg = new_job.remaining_samples * joules_per_sample * kg_per_j
+    periods = [p for p in budget.periods if p.start_s < new_job.deadline_s and p.end_s > 0.0]
+    left_kg = sum(max(0.0, p.budget_left_kg) for p in periods)
+    if left_kg >= least_kg:
+        return None
+    return (
+        f"team '{team}' hard carbon budget has {left_kg * 1000:.0f} g CO2e left for it before"
+        f" the deadline; the job needs at least {least_kg * 1000:.0f} g"
+    )
 
 
 def admit_on_spare(
@@ -180,6 +349,8 @@ def admit_on_spare(
     new_job: JobSpec,
     in_force: HeldGpus | None,
     reserved: Sequence[HeldGpus] = (),
+    *,
+    team: str | None = None,
 ) -> tuple[AdmissionDecision, HeldGpus] | None:
     """Admit `new_job` on the GPUs and budget that the plan in force and the reservations made
     since it leave free, without moving any other job; None when that cannot tell.
@@ -187,13 +358,17 @@ def admit_on_spare(
     Every job with a deadline keeps its planned counts, so every deadline they meet stays met;
     the new job runs, earliest first, at its largest allowed count that fits what they leave.
     Jobs without a deadline have no promise to keep: the GPUs (and budget) they hold are the new
-    job's where it needs them, and they yield, as any plan puts a deadline before them. A
-    deadline job neither covers falls back to a full solve. Returns the decision and the new
-    job's promised counts.
+    job's where it needs them, and they yield, as any plan puts a deadline before them (and a
+    team's hard budget cuts them before its deadline jobs, `cut_to_team_budgets`). A deadline
+    job neither covers falls back to a full solve. `team`: the new job's team; where it has a
+    hard budget, the new job's kg must fit what its deadline jobs and reservations leave of it
+    (`team_budget_refusal` tells a job that budget cannot pay for at all). Returns the decision
+    and the new job's promised counts.
 
     The check runs on the plan's slot grid (its slot holding now, and on), so the plan's rows and
     the promises of a burst line up slot for slot; the part of that slot already gone counts
-    against the new job (its deadline and its work move by it, at its fastest rate).
+    against the new job (its deadline and its work move by it, at its fastest rate). Vectorised
+    (one jobs x slots matrix): thousands of held deadline jobs take milliseconds.
     """
     if new_job.deadline_s is None or in_force is None:
         return None
@@ -201,13 +376,17 @@ def admit_on_spare(
     shift = math.floor((problem.start_at - in_force.start_at).total_seconds() / slot_s + 1e-9)
     grid_start = in_force.start_at + timedelta(seconds=shift * slot_s)
     gone_s = (problem.start_at - grid_start).total_seconds()
+
+    def moved(periods: tuple[BudgetPeriod, ...]) -> tuple[BudgetPeriod, ...]:
+        return tuple(
+            replace(p, start_s=p.start_s + gone_s, end_s=p.end_s + gone_s) for p in periods
+        )
+
     problem = replace(
         problem,
         start_at=grid_start,
-        budget_periods=tuple(
-            replace(p, start_s=p.start_s + gone_s, end_s=p.end_s + gone_s)
-            for p in problem.budget_periods
-        ),
+        budget_periods=moved(problem.budget_periods),
+        team_budgets=tuple(replace(t, periods=moved(t.periods)) for t in problem.team_budgets),
     )
     new_job = replace(
         new_job,
@@ -215,43 +394,42 @@ def admit_on_spare(
         remaining_samples=new_job.remaining_samples
         + max(new_job.throughput_samples_per_s) * gone_s,
     )
+    budget = next((t for t in problem.team_budgets if t.team == team), None)
     held = (in_force, *reserved)
     if any(abs(h.slot_s - problem.slot_s) > 1e-9 or h.start_at > problem.start_at for h in held):
         return None
     num_slots = problem.num_slots
-    used = np.zeros(num_slots, dtype=np.int64)
-    power = np.zeros(num_slots)
-    listed = {job.job_id for job in problem.jobs}
     # Only a hard budget binds; a soft one is priced in the objective, which the loop weighs.
     hard = problem.budget_mode is BudgetMode.HARD and bool(problem.period_slots())
-    rows: dict[str, tuple[int, ...]] = {}
-    for job in problem.jobs:
-        if job.deadline_s is None:
-            continue
-        row = next((r for h in reversed(held) if (r := h.over(problem, job.job_id))), None)
-        if row is None:
+    deadline_jobs = [job for job in problem.jobs if job.deadline_s is not None]
+    # Each deadline job's row comes from the newest holder that has it (a reservation made
+    # since the plan, else the plan).
+    holder_of: dict[int, list[int]] = {}
+    for i, job in enumerate(deadline_jobs):
+        k = next((k for k in range(len(held) - 1, -1, -1) if job.job_id in held[k].gpus), None)
+        if k is None:
             return None
-        rows[job.job_id] = row
-        for t, gpus in enumerate(row):
-            if gpus == 0:
-                continue
-            if gpus not in job.allowed_gpus:
-                return None
-            used[t] += gpus
-            power[t] += job.power_w[job.allowed_gpus.index(gpus)]
-    # Reservations of jobs the problem does not list yet (their submission is committing); the
-    # plan's jobs it does not list have finished.
-    for h in reserved:
-        for job_id in h.gpus:
-            if job_id not in listed:
-                watts = h.power_w.get(job_id)
-                if hard and watts is None:
-                    return None  # its power is not known here: the budget cannot tell
-                row = h.over(problem, job_id)
-                assert row is not None
-                used += np.asarray(row, dtype=np.int64)
-                if watts is not None:
-                    power += np.asarray([watts.get(g, 0.0) for g in row])
+        holder_of.setdefault(k, []).append(i)
+    rows = np.zeros((len(deadline_jobs), num_slots), dtype=np.int64)
+    for k, members in holder_of.items():
+        rows[members] = held[k].rows(problem, [deadline_jobs[i].job_id for i in members])
+    # Power per job and count (NaN: a count the job does not allow, so this cannot tell).
+    top = max((max(job.allowed_gpus) for job in deadline_jobs), default=0)
+    if rows.size and int(rows.max()) > top:
+        return None
+    table = np.full((len(deadline_jobs), top + 1), np.nan)
+    table[:, 0] = 0.0
+    for i, job in enumerate(deadline_jobs):
+        table[i, list(job.allowed_gpus)] = job.power_w
+    job_power = table[np.arange(len(deadline_jobs))[:, None], rows]
+    if np.isnan(job_power).any():
+        return None
+    load = unlisted_load(problem, reserved)
+    budgets_bind = hard or budget is not None
+    if budgets_bind and not load.power_known:
+        return None  # a reservation's power is not known here: the budget cannot tell
+    used = rows.sum(axis=0) + load.gpus
+    power = job_power.sum(axis=0) + load.power_w
     spare = np.asarray(problem.capacity_gpus) - used
     if (spare < 0).any():
         return None
@@ -262,6 +440,14 @@ def admit_on_spare(
         if left < 0:
             return None
         periods.append(replace(period, budget_left_kg=left))
+    team_budgets: tuple[TeamBudget, ...] = ()
+    if budget is not None:
+        in_team = np.array([job.job_id in budget.job_ids for job in deadline_jobs], dtype=bool)
+        team_power = job_power[in_team].sum(axis=0) + load.team_power_w.get(budget.team, 0.0)
+        team_periods = _kg_left(problem, budget.periods, team_power)
+        if any(p.budget_left_kg < 0 for p in team_periods):
+            return None
+        team_budgets = (TeamBudget(budget.team, frozenset({new_job.job_id}), team_periods),)
     counts = []
     done = 0.0
     for t in range(num_slots):
@@ -277,6 +463,7 @@ def admit_on_spare(
         jobs=(replace(new_job, current_gpus=0),),
         capacity_gpus=tuple(int(s) for s in spare),
         budget_periods=tuple(periods),
+        team_budgets=team_budgets,
     )
     row = tuple(counts)
     ev = evaluate_gpus(alone, {new_job.job_id: row})
@@ -286,10 +473,13 @@ def admit_on_spare(
     # due after it they must fit there too (the full solve's check, `admit`).
     assert new_job.deadline_s is not None
     if new_job.deadline_s >= problem.horizon_s:
-        deadline_jobs = tuple(j for j in problem.jobs if j.job_id in rows)
-        before = set(after_horizon_overcommitted(replace(problem, jobs=deadline_jobs), rows))
-        trial = replace(problem, jobs=(*deadline_jobs, replace(new_job, current_gpus=0)))
-        with_new = {**rows, new_job.job_id: row}
+        held_rows = {
+            job.job_id: tuple(map(int, r)) for job, r in zip(deadline_jobs, rows, strict=True)
+        }
+        listed = replace(problem, jobs=tuple(deadline_jobs), team_budgets=())
+        before = set(after_horizon_overcommitted(listed, held_rows))
+        trial = replace(listed, jobs=(*deadline_jobs, replace(new_job, current_gpus=0)))
+        with_new = {**held_rows, new_job.job_id: row}
         if any(k not in before for k in after_horizon_overcommitted(trial, with_new)):
             return None
     decision = AdmissionDecision(
@@ -297,5 +487,9 @@ def admit_on_spare(
     )
     watts = dict(zip(new_job.allowed_gpus, new_job.power_w, strict=True))
     return decision, HeldGpus(
-        grid_start, slot_s, {new_job.job_id: row}, {new_job.job_id: {0: 0.0, **watts}}
+        grid_start,
+        slot_s,
+        {new_job.job_id: row},
+        {new_job.job_id: {0: 0.0, **watts}},
+        {new_job.job_id: budget.team} if budget is not None else {},
     )

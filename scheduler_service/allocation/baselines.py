@@ -23,6 +23,7 @@ from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
     PlanArrays,
+    gpus_from_options,
     make_plan,
     plan_arrays,
     trim_after_finish,
@@ -33,11 +34,7 @@ from scheduler_service.allocation.slots import SlotState, fit_slot
 def _finish(
     problem: AllocationProblem, plan: np.ndarray, policy: str, started: float
 ) -> AllocationPlan:
-    gpus = {
-        job.job_id: tuple(0 if k < 0 else job.allowed_gpus[k] for k in plan[i])
-        for i, job in enumerate(problem.jobs)
-    }
-    gpus = trim_after_finish(problem, gpus)
+    gpus = trim_after_finish(problem, gpus_from_options(problem, plan_arrays(problem), plan))
     return make_plan(
         problem, gpus, status="baseline", policy=policy, solve_s=time.perf_counter() - started
     )

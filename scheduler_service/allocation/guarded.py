@@ -5,8 +5,9 @@ misses a deadline another plan meets (measured on ElasticFlow traces: a job admi
 deadline later missed because one tick's warm-started rounding dropped it). Deadline misses cost
 more than everything else in the objective, so the guard also builds a few cheap deadline-safe
 candidates (ElasticFlow-style EDF with and without filling spare GPUs, and the solver without the
-warm start when the first plan misses a deadline) and returns the feasible plan with the lowest
-objective. By construction the result is never worse on the objective than those baselines.
+warm start when the first plan misses a deadline; each where it fits the limit by size) and
+returns the feasible plan with the lowest objective. By construction the result is never worse on
+the objective than those of the baselines it built.
 Where `solve` already built the EDF plans as its own candidates (small problems), the guard reuses
 them (and the cold re-solve reuses all of solve's baseline plans) instead of building them again.
 """
@@ -24,6 +25,7 @@ from scheduler_service.allocation.problem import (
 )
 from scheduler_service.allocation.solver import solve_with_baselines
 from scheduler_service.allocation.stalls import padded_plan
+from scheduler_service.allocation.steps import guard_edf_fits, guard_resolve_fits
 
 
 def _misses(plan: AllocationPlan) -> int:
@@ -47,13 +49,18 @@ def greenflow(
     solved = solve_with_baselines(problem, previous=previous, time_limit_s=time_limit_s, seed=seed)
     first = solved.plan
     candidates = [first]
+    # Built here only where `solve` did not and they fit the limit by size (not at thousands
+    # of jobs x hundreds of slots, where they took half the policy's time).
+    build = guard_edf_fits(problem, time_limit_s)
     for name, baseline in (("lean-edf", lean_edf), ("carbon-agnostic", carbon_agnostic)):
         plan = solved.baselines.get(name)
-        if plan is None:
+        if plan is None and build:
             plan = baseline(problem, previous=None, time_limit_s=time_limit_s, seed=seed)
-        candidates.append(plan)
-    if previous is not None and _misses(first) > 0:
-        # The warm start can anchor the rounding on a stale plan; try once without it.
+        if plan is not None:
+            candidates.append(plan)
+    if previous is not None and _misses(first) > 0 and guard_resolve_fits(problem, time_limit_s):
+        # The warm start can anchor the rounding on a stale plan; try once without it (where a
+        # second solve fits the limit by size: not at thousands of jobs x hundreds of slots).
         cold = solve_with_baselines(
             problem,
             previous=None,

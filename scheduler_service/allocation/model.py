@@ -15,11 +15,14 @@ The objective, divided by slot_s, equals `plan_objective` up to a constant:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import scipy.sparse as sp
 
 from scheduler_service.allocation.problem import AllocationProblem, BudgetMode, PlanArrays
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
 
 INF = np.inf
 
@@ -71,6 +74,10 @@ class _Rows:
 
     def matrix(self, n_vars: int) -> sp.csr_matrix:
         """The collected triplets as one CSR matrix (repeated entries summed)."""
+        # scipy is imported at the first build, in the loop's thread: at module level it cost
+        # `greenflow serve` about a second before /healthz answered (api -> admission -> solver).
+        import scipy.sparse as sp
+
         out = sp.csr_matrix(
             (np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
             shape=(self.count, n_vars),

@@ -430,7 +430,7 @@ def leftover_kg_per_fraction(problem: AllocationProblem, job: JobSpec) -> float:
     return kwh * problem.pue * min(problem.intensity_g_per_kwh) / GRAMS_PER_KG
 
 
-def _option_matrix(
+def option_matrix(
     problem: AllocationProblem, gpus: dict[str, tuple[int, ...]], arrays: PlanArrays
 ) -> tuple[np.ndarray, np.ndarray]:
     """(option index per job and slot, -1 = off or not allowed; GPU count as given)."""
@@ -458,7 +458,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     num_slots, slot_s = problem.num_slots, problem.slot_s
     arrays = plan_arrays(problem)
     num_jobs = arrays.num_jobs
-    options, counts = _option_matrix(problem, gpus, arrays)
+    options, counts = option_matrix(problem, gpus, arrays)
     rows = np.arange(num_jobs)[:, None]
     on = options >= 0
     k = np.maximum(options, 0)
@@ -579,8 +579,11 @@ def cut_to_team_budgets(
 
     Per team and period over its budget: from the period's last planned slot backwards, the
     team's lowest-priority job steps down one allowed count (or to 0) at a time, so what runs
-    soonest is kept and the next plan re-decides the rest. Only that team's jobs lose GPUs;
-    the GPUs freed are not handed to other jobs in this plan.
+    soonest is kept and the next plan re-decides the rest. The team's jobs without a promised
+    deadline (none, or best-effort) are cut first, over all slots, and its deadline jobs only if
+    that is not enough: admission promised those on the budget the team's other deadline jobs
+    leave (`allocation.admission.admit_on_spare`). Only that team's jobs lose GPUs; the GPUs
+    freed are not handed to other jobs in this plan.
     """
     if not problem.team_budgets:
         return gpus
@@ -595,6 +598,8 @@ def cut_to_team_budgets(
         members = sorted(
             (jobs[j] for j in team.job_ids if j in jobs), key=lambda j: (j.priority, j.job_id)
         )
+        promised = [j for j in members if j.deadline_s is not None and not j.best_effort]
+        groups = ([j for j in members if j not in promised], promised)
         for period, share in problem.period_slots(team.periods):
             spent_kg = sum(
                 power_w(job, counts[job.job_id][t]) * kg_per_w[t] * share[t]
@@ -602,20 +607,23 @@ def cut_to_team_budgets(
                 for t in range(problem.num_slots)
             )
             over_kg = spent_kg - period.budget_left_kg
-            for t in reversed(range(problem.num_slots)):
-                if over_kg <= 1e-12:
-                    break
-                if share[t] <= 0:
-                    continue
-                for job in members:
-                    row = counts[job.job_id]
-                    while over_kg > 1e-12 and row[t] > 0:
-                        k = job.allowed_gpus.index(row[t])
-                        lower = job.allowed_gpus[k - 1] if k > 0 else 0
-                        over_kg -= (
-                            (power_w(job, row[t]) - power_w(job, lower)) * kg_per_w[t] * share[t]
-                        )
-                        row[t] = lower
+            for group in groups:
+                for t in reversed(range(problem.num_slots)):
+                    if over_kg <= 1e-12:
+                        break
+                    if share[t] <= 0:
+                        continue
+                    for job in group:
+                        row = counts[job.job_id]
+                        while over_kg > 1e-12 and row[t] > 0:
+                            k = job.allowed_gpus.index(row[t])
+                            lower = job.allowed_gpus[k - 1] if k > 0 else 0
+                            over_kg -= (
+                                (power_w(job, row[t]) - power_w(job, lower))
+                                * kg_per_w[t]
+                                * share[t]
+                            )
+                            row[t] = lower
     return {job_id: tuple(row) for job_id, row in counts.items()}
 
 
@@ -698,7 +706,7 @@ def missed_reasons(
     if not rest:
         return out
     arrays = plan_arrays(problem)
-    options, counts = _option_matrix(problem, gpus, arrays)
+    options, counts = option_matrix(problem, gpus, arrays)
     used = counts.sum(axis=0)
     capacity = np.asarray(problem.capacity_gpus)
     deadline = np.array([np.inf if j.deadline_s is None else j.deadline_s for j in problem.jobs])

@@ -17,6 +17,7 @@ builder"):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -82,6 +83,8 @@ class ClusterSnapshot:
     pue: float = 1.0
     # Teams' hard budgets: only each team's jobs count against its windows.
     team_budgets: tuple[TeamWindows, ...] = ()
+    # GPUs of each ready node a job may span (its agent advertised an address the others reach).
+    spannable_gpus: tuple[int, ...] = ()
 
     @property
     def capacity_gpus(self) -> int:
@@ -89,9 +92,16 @@ class ClusterSnapshot:
         return sum(self.node_gpus)
 
     @property
-    def largest_node_gpus(self) -> int:
-        """GPUs of the largest ready node (0 without one)."""
-        return max(self.node_gpus, default=0)
+    def job_gpus_max(self) -> int:
+        """The most GPUs one job can be placed on (`most_gpus_per_job`)."""
+        return most_gpus_per_job(self.node_gpus, self.spannable_gpus)
+
+
+def most_gpus_per_job(node_gpus: Sequence[int], spannable_gpus: Sequence[int]) -> int:
+    """The most GPUs one job can be placed on: the largest node, or every node it may span
+    together (two or more), as `placement.place_jobs` places it with `span_nodes`."""
+    spanned = sum(spannable_gpus) if len(spannable_gpus) > 1 else 0
+    return max(max(node_gpus, default=0), spanned)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from scheduler_service.allocation import baselines
 from scheduler_service.allocation.heuristic import (
     deadline_reservation,
@@ -27,7 +25,7 @@ from scheduler_service.allocation.heuristic import (
     shift_previous,
 )
 from scheduler_service.allocation.highs import LpResult, solve_lp, solve_mip
-from scheduler_service.allocation.polish import polish
+from scheduler_service.allocation.polish import polish, polish_pass_s
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
@@ -35,6 +33,7 @@ from scheduler_service.allocation.problem import (
     evaluate_gpus,
     gpus_from_options,
     make_plan,
+    option_matrix,
     plan_arrays,
     trim_after_finish,
 )
@@ -198,19 +197,27 @@ def solve_with_baselines(
             candidates[i] = _Candidate(padded, c.status, ev, f"{c.step}+stalls")
     feasible = [c for c in candidates if _ok(c.evaluation)]
     best = min(feasible, key=lambda c: c.evaluation.objective) if feasible else None
+    unused_trials = steps.repair_trials
     if lp is not None and best is not None and steps.repair_trials > 0:
-        best = _repair(problem, lp, feasible, best, steps.repair_trials, tuning, ran)
+        best, unused_trials = _repair(problem, lp, feasible, best, steps.repair_trials, tuning, ran)
+    polish_passes, polish_budget_s = steps.polish_passes, steps.polish_budget_s
+    if steps.repair_trials > 0:
+        # The repair's budget pays for every move it may try; the moves it did not need go to
+        # the local search (a count, not a clock: the same plan under any load). Without them
+        # the local search never ran where the repair ran at <= 1 s (docs/allocation.md,
+        # "Solver tuning").
+        polish_budget_s += unused_trials * steps.estimates_s["repair"] / steps.repair_trials
+        if polish_pass_s(len(problem.jobs), problem.num_slots) <= polish_budget_s:
+            polish_passes = tuning.polish_max_passes
     polished_by = 0.0
     polished: dict[str, tuple[int, ...]] | None = None
-    if best is not None and steps.polish_passes > 0:
+    if best is not None and polish_passes > 0:
         ran.append("polish")
-        start = np.array(
-            [[j.index_of(g) for g in best.gpus[j.job_id]] for j in problem.jobs], dtype=np.int64
-        )
+        start = option_matrix(problem, best.gpus, arrays)[0]
         polished = gpus_from_options(
             problem,
             arrays,
-            polish(problem, arrays, start, steps.polish_passes, budget_s=steps.polish_budget_s),
+            polish(problem, arrays, start, polish_passes, budget_s=polish_budget_s),
         )
         ev = evaluate_gpus(problem, polished)
         if _ok(ev) and ev.objective < best.evaluation.objective:
@@ -274,9 +281,10 @@ def _repair(
     trials: int,
     tuning: SolverTuning,
     ran: list[str],
-) -> _Candidate:
+) -> tuple[_Candidate, int]:
     """The deadline repair on the best candidates that miss a deadline the LP meets, best
-    first, while its moves last (at most `tuning.repair_candidates` candidates).
+    first, while its moves last (at most `tuning.repair_candidates` candidates); returns the
+    best candidate and the moves left unused.
 
     Why more than the best: a baseline's plan can score best and still be one the repair
     cannot mend (it spent a budget period early), while the LP rounding just behind it can be
@@ -303,7 +311,7 @@ def _repair(
         ev = evaluate_gpus(problem, repaired)
         if _ok(ev) and ev.objective < best.evaluation.objective:
             best = _Candidate(repaired, "heuristic", ev, f"{candidate.step}+repair")
-    return best
+    return best, max(0, trials)
 
 
 def _ok(ev: PlanEvaluation) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler_service.allocation.polish import polish_pass_s
-from scheduler_service.allocation.problem import AllocationProblem, PlanArrays
+from scheduler_service.allocation.problem import AllocationProblem, PlanArrays, plan_arrays
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,14 @@ class SolverTuning:
     mip_share: float = 0.5
     baselines_share: float = 0.25
     polish_share: float = 0.5
+    # The guard's cold re-solve (guarded.py) runs only while one greedy round is estimated at
+    # most this share of the limit: a second solve costs about what the first did, and at 5,000
+    # jobs x 288 slots it doubled a 5 s policy's time (the estimate: 1.9 s a round).
+    guard_resolve_share: float = 0.2
+    # The guard builds its two EDF plans itself (where `solve` did not) only while their
+    # estimate (two of the five baselines) fits this share of the limit: at 5,000 jobs x 288
+    # slots they took half the policy's time.
+    guard_edf_share: float = 0.5
 
 
 TUNING = SolverTuning()
@@ -76,8 +84,9 @@ class SolveSteps:
     any case (without it there may be no plan); a forced LP (`use_lp=True`) is charged even when
     it does not fit. Order: first greedy round, LP with its roundings, near-deadline MIP, exact
     MIP, baselines, further greedy rounds, the chase round, deadline-repair moves (as many as
-    what is left pays for), local-search passes over the best plan. Candidate evaluations and
-    the plan's report are not estimated.
+    what is left pays for), local-search passes over the best plan (`solve` adds the repair
+    moves it did not use to their budget). Candidate evaluations and the plan's report are not
+    estimated.
     """
 
     greedy_rounds: int
@@ -204,3 +213,20 @@ def plan_steps(
         polish_budget_s=polish_budget_s,
         estimates_s=spent,
     )
+
+
+def guard_resolve_fits(
+    problem: AllocationProblem, time_limit_s: float, tuning: SolverTuning = TUNING
+) -> bool:
+    """Whether the guard's cold re-solve fits the limit (by size: one greedy round's estimate)."""
+    round_s = greedy_round_s(plan_arrays(problem), problem.num_slots, tuning)
+    return round_s <= tuning.guard_resolve_share * time_limit_s
+
+
+def guard_edf_fits(
+    problem: AllocationProblem, time_limit_s: float, tuning: SolverTuning = TUNING
+) -> bool:
+    """Whether the guard's own two EDF plans fit the limit (by size: 2/5 of the baselines')."""
+    cells = int(plan_arrays(problem).valid.sum()) * problem.num_slots
+    estimate_s = cells * tuning.baseline_seconds_per_cell * 2 / 5
+    return estimate_s <= tuning.guard_edf_share * time_limit_s

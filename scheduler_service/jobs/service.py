@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row
+from sqlalchemy import Row, event
 from sqlalchemy.orm import Session
 
 from scheduler_service.admission import Admission, AdmissionResult
@@ -68,10 +69,10 @@ def submit_job(
     the same submission_id is not looked for first: the insert then fails on the unique index
     (IntegrityError) and the caller redoes the unit of work with `look_up=True`."""
     if spec.deadline is not None and config is not None:
+        # The check holds an admitted job's promise until the job is stored (or not), so the
+        # next check counts it while this submission commits.
         admission = admission or Admission(config)
-        # One turn from the check to the stored job: the next check counts this one's promise.
-        with admission.turn():
-            return _submit(session, principal, spec, config, admission, look_up=True)
+        return _submit(session, principal, spec, config, admission, look_up=True)
     return _submit(session, principal, spec, config, None, look_up=look_up)
 
 
@@ -111,10 +112,32 @@ def _submit(
     now = utcnow()
     if spec.deadline is not None and spec.deadline <= now:
         raise FieldError("deadline", f"deadline {spec.deadline.isoformat()} is in the past")
-    admission_note = "accepted; waiting for the planner"
     admitted: AdmissionResult | None = None
     if spec.deadline is not None and admission is not None:
         admitted = admission.check(session, spec, spec.total_samples_resolved(), now)
+    try:
+        job = _insert_admitted(repo, principal, spec, now, admitted)
+    except BaseException:
+        if admitted is not None and admission is not None:
+            admission.withdraw(admitted)
+        raise
+    if admitted is not None and admission is not None:
+        admission.bind(job.id, admitted)
+        # A submission rolled back after this (its request failed) leaves no promise behind.
+        event.listen(session, "after_rollback", lambda _: admission.forget(job.id), once=True)
+    return SubmitResult(job, created=True)
+
+
+def _insert_admitted(
+    repo: JobRepository,
+    principal: Principal,
+    spec: JobSpec,
+    now: datetime,
+    admitted: AdmissionResult | None,
+) -> Row[Any]:
+    """Store the job QUEUED with the admission's note, or raise the admission's rejection."""
+    admission_note = "accepted; waiting for the planner"
+    if admitted is not None:
         decision = admitted.decision
         if not decision.admitted or not decision.guaranteed:
             if not spec.best_effort:
@@ -128,7 +151,7 @@ def _submit(
             admission_note = f"admitted: {decision.reason}"
     # The job is inserted QUEUED with both events (created PENDING, then queued and why) as column
     # values: two INSERTs and no ORM unit of work, the cheapest write of a submission.
-    job = repo.insert_submitted(
+    return repo.insert_submitted(
         {
             "owner": principal.name,
             "state": JobState.QUEUED.value,
@@ -140,9 +163,6 @@ def _submit(
         },
         submission_events(at=now, submitter=principal.name, reason=admission_note),
     )
-    if admitted is not None and admission is not None:
-        admission.reserve(job.id, admitted)
-    return SubmitResult(job, created=True)
 
 
 def require_init_source(session: Session, principal: Principal, init_from: str) -> None:

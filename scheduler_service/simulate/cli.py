@@ -129,6 +129,11 @@ def report_table(report: SimulationReport) -> Table:
             "steps the budget watchdog cut short (its wakes with --watchdog-*)",
             str(report.budget_cuts),
         ),
+        (
+            "placement (job-steps lowered / jobs / broken promises among them; jobs across nodes)",
+            f"{report.placement}: {report.placement_lowered} / {report.placement_lowered_jobs}"
+            f" / {report.admitted_missed_lowered}; {report.jobs_spanning_nodes}",
+        ),
         ("GPU utilisation", f"{report.gpu_utilisation:.1%}"),
         ("GPU-count changes", str(report.gpu_changes)),
         (
@@ -310,6 +315,27 @@ def simulate(
             ),
         ),
     ] = False,
+    placement: Annotated[
+        str,
+        typer.Option(
+            "--placement",
+            help=(
+                "pooled: the --cluster GPUs as one pool (every plan runs as planned); nodes: each"
+                " plan goes through the live service's placement onto the --cluster nodes and a"
+                " job runs on what it places (counts placement lowers are reported)."
+            ),
+        ),
+    ] = "pooled",
+    spannable_nodes: Annotated[
+        int | None,
+        typer.Option(
+            "--spannable-nodes",
+            help=(
+                "With --placement nodes: how many nodes a job may span (agents with a rendezvous"
+                " address); default all; 0: every job runs inside one node."
+            ),
+        ),
+    ] = None,
     limit: Annotated[
         int | None, typer.Option("--limit", help="Replay only the first N jobs of the trace.")
     ] = None,
@@ -327,6 +353,8 @@ def simulate(
         )
     if budget_period not in ("day", "week", "run"):
         raise typer.BadParameter("must be day, week or run", param_hint="--budget-period")
+    if placement not in ("pooled", "nodes"):
+        raise typer.BadParameter("must be pooled or nodes", param_hint="--placement")
     if forecast_noise not in ("flat", "measured"):
         raise typer.BadParameter("must be flat or measured", param_hint="--forecast-noise")
     if elasticflow_overhead and not elasticflow_events:
@@ -382,6 +410,8 @@ def simulate(
             elasticflow_overhead=elasticflow_overhead,
             watchdog=watchdog,
             ideal_watchdog=not no_watchdog,
+            placement=cast(Literal["pooled", "nodes"], placement),
+            spannable_nodes=spannable_nodes,
             time_limit_s=time_limit_s,
             seed=seed,
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import cached_property
@@ -29,13 +29,18 @@ from energy_model.carbon.series import IntensitySeries
 from energy_model.carbon.skill import PRIOR_QUANTILE, PRIOR_UPPER_LOG_ERROR_Q80
 from energy_model.emissions import energy_kwh, facility_energy_kwh, interval_emissions_kg
 from energy_model.profiles import ScalingProfile
-from scheduler_service.allocation.admission import admit, after_horizon_overcommitted
+from scheduler_service.allocation.admission import (
+    AdmissionDecision,
+    admit,
+    after_horizon_overcommitted,
+)
 from scheduler_service.allocation.policies import ADMISSION_CONTROL, UnknownPolicy, get_policy
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
     BudgetMode,
     JobSpec,
+    evaluate_gpus,
 )
 from scheduler_service.allocation.snapshot import (
     BudgetWindow,
@@ -43,8 +48,10 @@ from scheduler_service.allocation.snapshot import (
     PlannableJob,
     ProblemKnobs,
     build_problem,
+    most_gpus_per_job,
     plan_job,
 )
+from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place_jobs, place_plan
 from scheduler_service.settings import ClusterConfig, PlannerConfig, default_budget_check_s
 from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 from scheduler_service.simulate.watchdog import RealisticWatchdog
@@ -143,6 +150,14 @@ class SimulationConfig:
     # False (with no `watchdog`): no budget watchdog at all, a step runs as planned whatever it
     # spends, so a hard budget holds only as far as the plans keep it (bench/budget_uncertainty.py).
     ideal_watchdog: bool = True
+    # "pooled": one pool of num_nodes x gpus_per_node GPUs, every plan runs as planned (the
+    # figures before issue 20). "nodes": every plan's first slot goes through the live service's
+    # placement (`placement.place_jobs`) onto the nodes, and a job runs on what it places.
+    placement: Literal["pooled", "nodes"] = "pooled"
+    # With "nodes": how many nodes (the first ones) a job may span, as the live service spans
+    # only nodes whose agents advertised a rendezvous address; None: all; 0 or 1: none, every
+    # job runs inside one node.
+    spannable_nodes: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -167,6 +182,13 @@ class SimulationConfig:
             quantile = getattr(self, name)
             if quantile is not None and not 0.5 <= quantile < 1.0:
                 raise SimulationError(f"{name} must be in [0.5, 1)")
+        if self.spannable_nodes is not None and (
+            self.placement != "nodes" or not 0 <= self.spannable_nodes <= self.num_nodes
+        ):
+            raise SimulationError(
+                f"spannable_nodes needs placement 'nodes' and 0..{self.num_nodes} nodes; "
+                f"got {self.spannable_nodes} with placement {self.placement!r}"
+            )
         if self.watchdog is not None and self.budget_kg is None:
             raise SimulationError("a watchdog model needs a budget: it only watches a hard budget")
         try:
@@ -178,6 +200,24 @@ class SimulationConfig:
     def capacity_gpus(self) -> int:
         """GPUs in the cluster."""
         return self.num_nodes * self.gpus_per_node
+
+    @property
+    def node_gpus(self) -> tuple[int, ...]:
+        """GPUs of each node."""
+        return (self.gpus_per_node,) * self.num_nodes
+
+    @property
+    def spannable_gpus(self) -> tuple[int, ...]:
+        """GPUs of each node a job may span (pooled: all, as one pool)."""
+        count = self.num_nodes if self.spannable_nodes is None else self.spannable_nodes
+        return self.node_gpus[:count]
+
+    @property
+    def job_gpus_max(self) -> int:
+        """The most GPUs one job can run on: pooled, the cluster; else as the live service caps it."""
+        if self.placement == "pooled":
+            return self.capacity_gpus
+        return most_gpus_per_job(self.node_gpus, self.spannable_gpus)
 
     @property
     def margin_s(self) -> float:
@@ -255,6 +295,11 @@ class _JobState:
     energy_kwh: float = 0.0
     emissions_kg: float = 0.0
     reject_reason: str = ""
+    # Node-aware placement: steps it ran on fewer GPUs than planned (and the last reason), and
+    # the most nodes it ran on at once.
+    lowered: int = 0
+    lowered_reason: str = ""
+    nodes_max: int = 0
 
 
 @dataclass(frozen=True)
@@ -275,6 +320,11 @@ class JobOutcome:
     # Seconds past its deadline a guaranteed job finished (or, unfinished, was when the replay
     # stopped: a lower bound); None for jobs without a promise, 0.0 for a promise kept.
     lateness_s: float | None = None
+    # Steps placement ran it on fewer GPUs than the plan's (with the last reason), and the most
+    # nodes it ran on at once (placement "nodes"; 0 and "" when pooled or never lowered).
+    placement_lowered: int = 0
+    placement_reason: str = ""
+    nodes_max: int = 0
 
 
 @dataclass(frozen=True)
@@ -316,6 +366,14 @@ class SimulationReport:
     # at all), and by how much ({"sum", "max"} in seconds; unfinished ones count to the stop).
     admitted_missed: int = 0
     admitted_lateness_s: dict[str, float] = field(default_factory=lambda: {"sum": 0.0, "max": 0.0})
+    # How plans met the nodes: "pooled", or "nodes NxG, S spannable" (SimulationConfig.placement).
+    placement: str = "pooled"
+    # Job-steps placement ran on fewer GPUs than the plan, the jobs that happened to, and the
+    # broken promises among them (issue 20's target: 0); jobs that ran across nodes.
+    placement_lowered: int = 0
+    placement_lowered_jobs: int = 0
+    admitted_missed_lowered: int = 0
+    jobs_spanning_nodes: int = 0
     outcomes: list[JobOutcome] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, float | int | str | dict[str, float] | None]:
@@ -369,6 +427,139 @@ class CarbonClock:
         return self.kg_per_w(start_s, end_s) / self.pue * 1000.0 * 1000.0 / hours
 
 
+def placement_label(config: SimulationConfig) -> str:
+    """How the replay's plans met the nodes, for its report."""
+    if config.placement == "pooled":
+        return "pooled"
+    spannable = len(config.spannable_gpus)
+    return (
+        f"nodes {config.num_nodes}x{config.gpus_per_node}, "
+        f"{spannable if spannable > 1 else 0} spannable"
+    )
+
+
+@dataclass
+class NodePlacer:
+    """The replay's nodes and where each job runs on them, placed by the live service's code.
+
+    Each step's counts go through `placement.place_jobs` as the dispatcher calls it
+    (`dispatch/service.decide`): jobs keep their slots, a paused job goes back to its home node,
+    a job spans only the spannable nodes, higher priority and earlier deadline first. Trace jobs
+    are data-parallel (tensor-parallel degree 1).
+    """
+
+    config: SimulationConfig
+    placements: dict[int, Placement] = field(default_factory=dict)
+    homes: dict[int, int] = field(default_factory=dict)
+    ids: dict[str, int] = field(default_factory=dict)
+
+    def place(self, targets: dict[str, int], states: dict[str, _JobState]) -> dict[str, int]:
+        """The GPUs each job runs on when `targets` (GPUs per job) are placed; records on each
+        job's state the steps placement lowered it and why, and the nodes it spans."""
+        for job_id in targets:
+            self.ids.setdefault(job_id, len(self.ids))
+        by_id = {self.ids[j]: j for j in targets}
+        placed = place_jobs(
+            {self.ids[j]: gpus for j, gpus in targets.items()},
+            {i: self.placements.get(i, NOWHERE) for i in by_id},
+            self._nodes(),
+            {self.ids[j]: states[j].seen.allowed_gpus for j in targets},
+            [self.ids[j] for j in sorted(targets, key=lambda j: self._rank(j, states))],
+            home=self.homes,
+            span_nodes=True,
+            spannable=range(len(self.config.spannable_gpus)),
+        )
+        self.placements = {i: placed.placements.get(i, NOWHERE) for i in by_id}
+        counts: dict[str, int] = {}
+        for i, job_id in by_id.items():
+            where = self.placements[i]
+            state = states[job_id]
+            if where.node_id is not None:
+                self.homes[i] = where.node_id
+            state.nodes_max = max(state.nodes_max, len(where.parts))
+            if i in placed.short:
+                state.lowered += 1
+                state.lowered_reason = placed.short[i]
+            counts[job_id] = where.gpus
+        return counts
+
+    def lost_deadlines(
+        self,
+        problem: AllocationProblem,
+        plan: AllocationPlan,
+        new_jobs: Collection[str],
+        states: dict[str, _JobState],
+    ) -> list[str]:
+        """Deadlines an admission plan meets on pooled capacity that placing it slot by slot on
+        the nodes loses: a new job's, or another's that the plan without the new jobs keeps."""
+        ids = {j.job_id for j in problem.jobs}
+        with_new = evaluate_gpus(problem, self._placed(plan.gpus, states)).deadline_met
+        base = replace(problem, jobs=tuple(j for j in problem.jobs if j.job_id not in new_jobs))
+        without = evaluate_gpus(
+            base, self._placed({j: r for j, r in plan.gpus.items() if j not in new_jobs}, states)
+        ).deadline_met
+        return sorted(
+            j
+            for j, met in plan.deadline_met.items()
+            if met
+            and j in ids
+            and not with_new.get(j, False)
+            and (j in new_jobs or without.get(j, False))
+        )
+
+    def _placed(
+        self, gpus: dict[str, tuple[int, ...]], states: dict[str, _JobState]
+    ) -> dict[str, tuple[int, ...]]:
+        """The counts of every slot of `gpus` as placement runs them, from where jobs are now."""
+        for job_id in gpus:
+            self.ids.setdefault(job_id, len(self.ids))
+        rows = place_plan(
+            {self.ids[j]: row for j, row in gpus.items()},
+            {self.ids[j]: self.placements.get(self.ids[j], NOWHERE) for j in gpus},
+            self._nodes(),
+            {self.ids[j]: states[j].seen.allowed_gpus for j in gpus},
+            [self.ids[j] for j in sorted(gpus, key=lambda j: self._rank(j, states))],
+            home=self.homes,
+            span_nodes=True,
+            spannable=range(len(self.config.spannable_gpus)),
+        )
+        return {j: rows[self.ids[j]] for j in gpus}
+
+    def _nodes(self) -> list[NodeSlots]:
+        return [
+            NodeSlots(n, tuple(range(self.config.gpus_per_node)))
+            for n in range(self.config.num_nodes)
+        ]
+
+    def _rank(self, job_id: str, states: dict[str, _JobState]) -> tuple[float, int]:
+        """Placement order: earlier deadline first, then earlier arrival (the dispatcher's)."""
+        deadline_s = states[job_id].trace.deadline_s
+        return (math.inf if deadline_s is None else deadline_s, self.ids[job_id])
+
+    def refuse(
+        self,
+        decision: AdmissionDecision,
+        problem: AllocationProblem,
+        new_jobs: Collection[str],
+        states: dict[str, _JobState],
+        best_effort: bool,
+    ) -> AdmissionDecision:
+        """`decision` unless its plan, placed on the nodes, loses a deadline it promises: then
+        no guarantee (best-effort, or rejected), with the reason."""
+        if not decision.guaranteed or decision.plan is None:
+            return decision
+        lost = self.lost_deadlines(problem, decision.plan, new_jobs, states)
+        if not lost:
+            return decision
+        why = (
+            f"placed on the nodes (a job spans only spannable nodes), the plan misses the "
+            f"deadlines of {', '.join(lost[:5])}"
+        )
+        if best_effort:
+            return AdmissionDecision(True, False, f"queued best-effort: {why}", decision.plan)
+        return AdmissionDecision(False, False, f"rejected: {why}", decision.plan)
+
+
 def simulate_trace(
     jobs: list[TraceJob],
     series: IntensitySeries,
@@ -383,6 +574,7 @@ def simulate_trace(
     rng = np.random.default_rng(config.seed)
     clock = CarbonClock(series, config.pue)
     capacity = config.capacity_gpus
+    placer = NodePlacer(config) if config.placement == "nodes" else None
     slot_s = config.slot_s
     start_s, run_span_s, periods = run_budget_periods(config, jobs)
     spent_kg = [0.0] * len(periods)
@@ -432,26 +624,35 @@ def simulate_trace(
         while next_arrival < len(pending) and pending[next_arrival].submission_s <= now + 1e-9:
             job = pending[next_arrival]
             next_arrival += 1
-            state = _new_state(job, profiles, capacity, config, rng)
+            state = _new_state(job, profiles, config.job_gpus_max, config, rng)
             states[job.job_id] = state
             if job.deadline_s is not None and config.policy in ADMISSION_CONTROL:
                 if config.elasticflow_events:
                     batch.append(job.job_id)
                     continue
+                problem = _problem(config, clock, states, active, now, periods, spent_kg)
+                best_effort = config.best_effort or job.best_effort
+                new_spec = plan_job(
+                    replace(_plannable(state, now), best_effort=best_effort),
+                    _knobs(config, periods),
+                )
                 decision = admit(
-                    _problem(config, clock, states, active, now, periods, spent_kg),
-                    plan_job(
-                        replace(
-                            _plannable(state, now),
-                            best_effort=config.best_effort or job.best_effort,
-                        ),
-                        _knobs(config, periods),
-                    ),
+                    problem,
+                    new_spec,
                     time_limit_s=config.time_limit_s,
                     seed=config.seed,
                     policy=policy,
                     previous=previous,
                 )
+                if placer is not None:
+                    # Admission promises only what its plan keeps once placed on the nodes.
+                    decision = placer.refuse(
+                        decision,
+                        replace(problem, jobs=(*problem.jobs, new_spec)),
+                        {job.job_id},
+                        states,
+                        best_effort,
+                    )
                 state.admitted = decision.admitted
                 state.guaranteed = decision.guaranteed
                 if not decision.admitted:
@@ -465,7 +666,17 @@ def simulate_trace(
             active.append(job.job_id)
         if batch:
             batch_plan = _admit_batch(
-                config, policy, clock, states, active, now, periods, spent_kg, batch, previous
+                config,
+                policy,
+                clock,
+                states,
+                active,
+                now,
+                periods,
+                spent_kg,
+                batch,
+                previous,
+                placer,
             )
             if batch_plan is not None:
                 previous = batch_plan
@@ -495,6 +706,11 @@ def simulate_trace(
             raise SimulationError(
                 f"policy {config.policy} planned {used} GPUs on a {config.capacity_gpus}-GPU cluster"
             )
+        # The GPUs each job runs on in this step: the plan's first slot, or what placement keeps
+        # of it on the nodes.
+        first = {j: plan.gpus[j][0] for j in active}
+        if placer is not None:
+            first = placer.place(first, states)
         idle_ticks = idle_ticks + 1 if used == 0 else 0
         if idle_ticks > idle_limit and next_arrival >= len(pending):
             # Nothing has run for two horizons (plus a budget period) and nothing else will
@@ -506,11 +722,9 @@ def simulate_trace(
         # slot instead: with `elasticflow_events` every step is a whole slot.
         overheads: dict[str, float] | None = None
         if ef_overhead is not None and (
-            ef_event or any(plan.gpus[j][0] != states[j].current_gpus for j in active)
+            ef_event or any(first[j] != states[j].current_gpus for j in active)
         ):
-            overheads = ef_overhead.event(
-                [(j, plan.gpus[j][0]) for j in active if plan.gpus[j][0] > 0]
-            )
+            overheads = ef_overhead.event([(j, first[j]) for j in active if first[j] > 0])
         moves: dict[str, tuple[int, float, bool]] = {}
         runs: list[tuple[float, float]] = []  # (real power_w, s until it finishes) per running job
         step_s = slot_s
@@ -518,7 +732,7 @@ def simulate_trace(
             step_s = min(step_s, max(pending[next_arrival].submission_s - now, 1.0))
         for job_id in active:
             state = states[job_id]
-            gpus = plan.gpus[job_id][0]
+            gpus = first[job_id]
             changed = gpus != state.current_gpus and gpus > 0 and state.started
             # A switch cut short by an event still owes the rest of its stall at the next one.
             switch = config.switch_s if changed else (state.stall_s if gpus > 0 else 0.0)
@@ -747,6 +961,7 @@ def _admit_batch(
     spent_kg: list[float],
     batch: list[str],
     previous: AllocationPlan | None = None,
+    placer: NodePlacer | None = None,
 ) -> AllocationPlan | None:
     """Admit the deadline jobs of `batch` together or not at all (ElasticFlow's admission).
 
@@ -771,6 +986,11 @@ def _admit_batch(
     crowded = set(after_horizon_overcommitted(trial, plan.gpus)) - crowded_before
     late = [j for j in batch if not plan.deadline_met.get(j, False) or j in crowded]
     broken = [k for k in met_before if not plan.deadline_met.get(k, False) or k in crowded]
+    if placer is not None and not late and not broken:
+        # Promised only if the plan keeps them once placed on the nodes.
+        lost = placer.lost_deadlines(trial, plan, set(batch), states)
+        late = [j for j in batch if j in lost]
+        broken = [k for k in lost if k not in batch]
     admitted = False
     for job_id in batch:
         state = states[job_id]
@@ -1030,6 +1250,9 @@ def _report(
                 reject_reason=state.reject_reason,
                 guaranteed=promised,
                 lateness_s=lateness,
+                placement_lowered=state.lowered,
+                placement_reason=state.lowered_reason,
+                nodes_max=state.nodes_max,
             )
         )
     broken = [o for o in outcomes if o.guaranteed and not o.deadline_met]
@@ -1074,5 +1297,10 @@ def _report(
         makespan_s=makespan,
         admitted_missed=len(broken),
         admitted_lateness_s={"sum": sum(lateness_s), "max": max(lateness_s, default=0.0)},
+        placement=placement_label(config),
+        placement_lowered=sum(o.placement_lowered for o in outcomes),
+        placement_lowered_jobs=sum(1 for o in outcomes if o.placement_lowered),
+        admitted_missed_lowered=sum(1 for o in broken if o.placement_lowered),
+        jobs_spanning_nodes=sum(1 for o in outcomes if o.nodes_max > 1),
         outcomes=outcomes,
     )

@@ -57,7 +57,7 @@ def _same(new: AllocationPlan, old: AllocationPlan) -> None:
     assert new.bound == old.bound and new.notes == old.notes
 
 
-def _count_edf_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def count_edf_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = baselines_module._edf_min_share
 
@@ -76,7 +76,7 @@ def test_guard_builds_each_edf_plan_once_with_the_same_result(
     problem = simulate_tick()
     previous = previous_plan(problem) if warm else None
     old = guard_building_everything(problem, previous, time_limit_s)
-    builds = _count_edf_builds(monkeypatch)
+    builds = count_edf_builds(monkeypatch)
     new = greenflow(problem, previous=previous, time_limit_s=time_limit_s, seed=0)
     _same(new, old)
     # solve ran the baselines as candidates here (lean EDF and carbon-agnostic: two EDF builds);

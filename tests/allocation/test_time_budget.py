@@ -56,10 +56,12 @@ def _check_runs_the_planned_steps(problem: AllocationProblem, time_limit_s: floa
     ):
         assert (name in ran) == planned, name
     # The repair runs only when the best plan misses a deadline the LP meets; the local search
-    # at most once (not when no candidate keeps the hard constraints).
+    # at most once (not when no candidate keeps the hard constraints), on its own budget or on
+    # the moves the repair's budget paid for and it did not use.
     assert "repair" not in ran or steps.repair_trials > 0
-    assert "polish" not in ran or steps.polish_passes > 0
-    ran_s = sum(steps.estimates_s[name] for name in ran)
+    assert "polish" not in ran or steps.polish_passes > 0 or steps.repair_trials > 0
+    charged = set(ran) | ({"repair"} if "polish" in ran and steps.repair_trials > 0 else set())
+    ran_s = sum(steps.estimates_s.get(name, 0.0) for name in charged)
     assert ran_s <= time_limit_s + 1e-12 or set(ran) == {"greedy"}
 
 

@@ -57,7 +57,21 @@ def test_app_module_loads_no_torch() -> None:
     assert _loaded_after("import scheduler_service.app", ("torch",)) == []
 
 
-def test_app_module_loads_no_ortools_or_pandas() -> None:
-    # OR-Tools' model builder (and pandas behind it) load at the first solve, in the loop's thread,
-    # so `greenflow serve` answers /healthz without waiting for them.
-    assert _loaded_after("import scheduler_service.app", ("ortools", "pandas")) == []
+def test_app_module_loads_no_ortools_pandas_or_scipy() -> None:
+    # OR-Tools' model builder (and pandas behind it) and scipy.sparse load at the first solve, in
+    # the loop's thread, so `greenflow serve` answers /healthz without waiting for them.
+    modules = ("ortools", "pandas", "scipy")
+    assert _loaded_after("import scheduler_service.app", modules) == []
+
+
+def test_building_a_model_loads_scipy() -> None:
+    # The lazy import is really taken when a model is built (not left out altogether).
+    statement = (
+        "from scheduler_service.allocation.model import _Rows\n"
+        "import numpy as np\n"
+        "rows = _Rows()\n"
+        "start = rows.block(1, 0.0, 1.0)\n"
+        "rows.add(np.array([start]), np.array([0]), 1.0)\n"
+        "assert rows.matrix(1).shape == (1, 1)"
+    )
+    assert _loaded_after(statement, ("scipy.sparse",)) == ["scipy.sparse"]

@@ -61,6 +61,22 @@ def test_the_cut_keeps_the_soonest_slots_and_the_higher_priority_job() -> None:
     assert evaluate_gpus(problem, cut).budget_ok and not evaluate_gpus(problem, gpus).budget_ok
 
 
+def test_the_cut_takes_a_teams_jobs_without_a_deadline_before_its_promised_ones() -> None:
+    # nlp-2 has a deadline (a promise admission made on the budget the team's deadline jobs
+    # leave); nlp-1 has none and the higher priority, yet its GPUs go first, latest slots first.
+    base = _problem(left_kg=0.09)
+    promised = replace(base.jobs[1], deadline_s=4 * 3600.0)
+    problem = replace(base, jobs=(base.jobs[0], promised, base.jobs[2]))
+    gpus: dict[str, tuple[int, ...]] = {
+        "nlp-1": (2, 2, 2, 2),
+        "nlp-2": (1, 1, 1, 1),
+        "vision-1": (1, 1, 1, 1),
+    }
+    cut = cut_to_team_budgets(problem, gpus)
+    assert cut == {"nlp-1": (0, 0, 0, 0), "nlp-2": (1, 1, 1, 0), "vision-1": (1, 1, 1, 1)}
+    assert evaluate_gpus(problem, cut).budget_ok
+
+
 def test_every_policy_keeps_a_teams_budget_and_the_others_take_its_gpus() -> None:
     problem = _problem(left_kg=0.0)  # nlp's budget is spent
     for name in POLICIES:

@@ -81,6 +81,38 @@ def grow_shrink(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _pids_by_slot(run: JobRunner) -> dict[str, int]:
+    return {f"{s.node}:{s.index}": p for s, p in zip(run.slots(), run.worker_pids(), strict=True)}
+
+
+def grow_three(args: dict[str, Any]) -> dict[str, Any]:
+    """2 workers on A (dp=2) -> 6 on A+B+C (dp=3, pp=2) -> back to A's 2, against an
+    unswitched 1-worker run (a global batch of 12 splits evenly over 1, 2 and 3 replicas)."""
+    spec = SPEC.model_copy(update={"global_batch_size": 12})
+    with JobRunner(snapshot_policy="none") as ref:
+        ref.start(spec, 1, Layout())
+        ref_losses = [loss for _, loss in ref.train(3 * STEPS)]
+        ref_state = ref.gather_state()
+    home = [GpuSlot("a", 0), GpuSlot("a", 1)]
+    everywhere = home + [GpuSlot(n, i) for n in ("b", "c") for i in (0, 1)]
+    out: dict[str, Any] = {"ref_losses": ref_losses}
+    with _runner(args, snapshot_policy="none") as run:
+        run.start(spec, home, Layout(dp=2))
+        losses = [loss for _, loss in run.train(STEPS)]
+        out["pids_start"] = _pids_by_slot(run)
+        grow = run.resize(everywhere, Layout(dp=3, pp=2))
+        out["pids_grown"] = _pids_by_slot(run)
+        out["nodes_grown"] = sorted({s.node for s in run.slots()})
+        losses += [loss for _, loss in run.train(STEPS)]
+        shrink = run.resize(home, Layout(dp=2))
+        out["pids_end"] = _pids_by_slot(run)
+        losses += [loss for _, loss in run.train(STEPS)]
+        out["step_end"] = run.step_progress().step
+        out["max_param_diff"] = _max_param_diff(run.gather_state(), ref_state)
+    out |= {"losses": losses, "grow": _report(grow), "shrink": _report(shrink)}
+    return out
+
+
 def link_cut(args: dict[str, Any]) -> dict[str, Any]:
     """Grow A -> A+B; the test cuts B's link once B's workers are staged: must roll back."""
     a0, a1, b0, b1 = GpuSlot("a", 0), GpuSlot("a", 1), GpuSlot("b", 0), GpuSlot("b", 1)
@@ -205,6 +237,7 @@ def node_lost_in_switch(args: dict[str, Any]) -> dict[str, Any]:
 CASES = {
     "node_lost_in_switch": node_lost_in_switch,
     "grow_shrink": grow_shrink,
+    "grow_three": grow_three,
     "link_cut": link_cut,
     "node_lost": node_lost,
 }

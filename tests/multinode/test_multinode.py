@@ -30,30 +30,43 @@ TIMEOUT_S = 20.0
 """The job's rendezvous/RPC limit: a lost node is given up on within a few of these."""
 
 
-@pytest.fixture
-def two_nodes() -> Iterator[tuple[Network, dict[str, str]]]:
-    """Nodes a and b; b runs a worker host. Yields the network and the driver's environment."""
+def _nodes(names: list[str]) -> Iterator[tuple[Network, dict[str, str]]]:
+    """Node a (the runner's) and the others, each running a worker host. Yields the network and
+    the driver's environment (each host's port in HOST_PORT_<NODE>)."""
     key = secrets.token_hex(16)
     env = {HOST_KEY_ENV: key}
-    with network(["a", "b"]) as net:
-        host = net.python(
-            "b", ["-m", "worker_agent.runtime.remote", "--bind", net.nodes["b"].address], env
-        )
-        assert host.stdout is not None
-        line = host.stdout.readline()
-        assert line, host.stderr.read() if host.stderr else "worker host did not start"
-        env["HOST_PORT"] = str(json.loads(line)["port"])
+    with network(names) as net:
+        for name in names[1:]:
+            host = net.python(
+                name, ["-m", "worker_agent.runtime.remote", "--bind", net.nodes[name].address], env
+            )
+            assert host.stdout is not None
+            line = host.stdout.readline()
+            assert line, host.stderr.read() if host.stderr else "worker host did not start"
+            env[f"HOST_PORT_{name.upper()}"] = str(json.loads(line)["port"])
         yield net, env
 
 
+@pytest.fixture
+def two_nodes() -> Iterator[tuple[Network, dict[str, str]]]:
+    """Nodes a and b; b runs a worker host."""
+    yield from _nodes(["a", "b"])
+
+
+@pytest.fixture
+def three_nodes() -> Iterator[tuple[Network, dict[str, str]]]:
+    """Nodes a, b and c; b and c run worker hosts."""
+    yield from _nodes(["a", "b", "c"])
+
+
 def _args(net: Network, env: dict[str, str], **extra: Any) -> str:
+    hosts = {
+        name: [net.nodes[name].address, int(env[f"HOST_PORT_{name.upper()}"])]
+        for name in net.nodes
+        if name != "a"
+    }
     return json.dumps(
-        {
-            "address": net.nodes["a"].address,
-            "hosts": {"b": [net.nodes["b"].address, int(env["HOST_PORT"])]},
-            "timeout_s": TIMEOUT_S,
-            **extra,
-        }
+        {"address": net.nodes["a"].address, "hosts": hosts, "timeout_s": TIMEOUT_S, **extra}
     )
 
 
@@ -106,6 +119,30 @@ def test_job_grows_onto_a_second_node_and_shrinks_back(
         assert report["bytes_cross_node"] == report["bytes_cross_node_min"]
     # Those bytes really left A on its interface (plus rendezvous and headers).
     assert r["tx_bytes_grow"] >= grow["bytes_cross_node"]
+    # Training went on at the same step, on the trajectory of a run that never switched.
+    assert grow["step"] == 2 and shrink["step"] == 4 and r["step_end"] == 6
+    _same_losses(r["losses"], r["ref_losses"])
+    assert r["max_param_diff"] < 1e-4
+
+
+def test_job_grows_from_two_gpus_on_one_node_to_six_on_three_and_shrinks_back(
+    three_nodes: tuple[Network, dict[str, str]],
+) -> None:
+    net, env = three_nodes
+    r = _drive(net, env, "grow_three")
+    grow, shrink = r["grow"], r["shrink"]
+    assert grow["ok"] and shrink["ok"], (grow, shrink)
+    assert r["nodes_grown"] == ["a", "b", "c"] and len(r["pids_grown"]) == 6
+    # A's two workers kept their processes through both switches; B's and C's came and went.
+    home = r["pids_start"]
+    assert set(home) == {"a:0", "a:1"}
+    assert {s: r["pids_grown"][s] for s in home} == home == r["pids_end"]
+    assert sorted(shrink["workers_released"]) == sorted(
+        pid for slot, pid in r["pids_grown"].items() if slot not in home
+    )
+    for report in (grow, shrink):
+        assert report["bytes_moved"] == report["bytes_lower_bound"] > 0
+        assert report["bytes_cross_node"] == report["bytes_cross_node_min"] > 0
     # Training went on at the same step, on the trajectory of a run that never switched.
     assert grow["step"] == 2 and shrink["step"] == 4 and r["step_end"] == 6
     _same_losses(r["losses"], r["ref_losses"])

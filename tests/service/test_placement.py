@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place, place_jobs
+from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place, place_jobs, place_plan
 
 NODES = [NodeSlots(1, (0, 1, 2, 3)), NodeSlots(2, (0, 1, 2, 3, 4, 5, 6, 7))]
 ALLOWED = {10: (1, 2, 4, 8), 11: (1, 2, 4, 8), 12: (1, 2, 4, 8)}
@@ -75,3 +75,16 @@ def test_a_spanning_job_grows_on_its_own_node_first_and_shrinks_off_the_others_f
     assert grown.placements[10] == Placement(1, (0, 1, 2, 3), ((2, (0, 1, 2, 3)),))
     back = place_jobs({10: 4}, grown.placements, NODES, {10: (4,)}, [10], span_nodes=True)
     assert back.placements[10] == Placement(1, (0, 1, 2, 3))
+
+
+def test_a_plan_placed_slot_by_slot_runs_what_each_slot_holds() -> None:
+    # Nodes of 4: job 1 holds 2 GPUs on node 1, job 2 holds 2 on node 2; job 3 asks for 4 in
+    # both slots: first it gets 2 beside job 1 (best fit), then job 1 stops and it grows there.
+    nodes = [NodeSlots(1, (0, 1, 2, 3)), NodeSlots(2, (0, 1, 2, 3))]
+    current = {1: Placement(1, (0, 1)), 2: Placement(2, (0, 1))}
+    gpus = {1: (2, 0), 2: (2, 2), 3: (4, 4)}
+    allowed = {1: (1, 2), 2: (1, 2), 3: (1, 2, 4)}
+    rows = place_plan(gpus, current, nodes, allowed, [1, 2, 3])
+    assert rows == {1: (2, 0), 2: (2, 2), 3: (2, 4)}
+    spanned = place_plan(gpus, current, nodes, allowed, [1, 2, 3], span_nodes=True)
+    assert spanned == gpus

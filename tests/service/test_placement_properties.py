@@ -127,6 +127,34 @@ def test_spanning_nodes_places_every_count_the_pooled_capacity_holds(
     assert placed.short == {}
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 8), min_size=1, max_size=4),
+    st.lists(st.lists(st.integers(0, 12), min_size=4, max_size=4), min_size=1, max_size=6),
+)
+def test_plan_after_plan_spanning_places_every_count_the_pooled_capacity_holds(
+    sizes: list[int], plans: list[list[int]]
+) -> None:
+    # What the node-aware simulator relies on for data-parallel jobs: placing each plan where
+    # the last one left the jobs (they keep their slots, paused ones go home) never lowers a
+    # count the pooled capacity holds, so its figures equal the pooled ones.
+    nodes = [NodeSlots(i + 1, tuple(range(k))) for i, k in enumerate(sizes)]
+    current: dict[int, Placement] = {}
+    homes: dict[int, int] = {}
+    for wanted in plans:
+        targets: dict[int, int] = {}
+        for job, want in enumerate(wanted):
+            targets[job] = want if sum(targets.values()) + want <= sum(sizes) else 0
+        allowed = {job: tuple(range(1, 13)) for job in targets}
+        placed = place_jobs(
+            targets, current, nodes, allowed, list(targets), home=homes, span_nodes=True
+        )
+        assert {job: p.gpus for job, p in placed.placements.items()} == targets
+        assert placed.short == {}
+        current = placed.placements
+        homes |= {job: p.node_id for job, p in current.items() if p.node_id is not None}
+
+
 def test_a_job_spans_only_nodes_that_may_be_spanned_and_else_takes_the_largest_node() -> None:
     nodes = [NodeSlots(1, tuple(range(6))), NodeSlots(2, (0, 1)), NodeSlots(3, (0, 1))]
     allowed = {7: tuple(range(1, 9))}

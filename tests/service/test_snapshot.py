@@ -148,9 +148,18 @@ def test_the_snapshot_reads_jobs_and_their_telemetry_in_a_fixed_number_of_querie
                     )
         return ids
 
+    loaded: list[int] = []
+
+    def on_load(job: Job, _context: Any) -> None:
+        loaded.append(job.id)
+
     def read(models: JobModels) -> tuple[int, int]:
-        with _count_selects(engine) as selects, transaction(factory) as session:
-            planning = read_snapshot(session, config, _forecast(), models, NOW)
+        event.listen(Job, "load", on_load)
+        try:
+            with _count_selects(engine) as selects, transaction(factory) as session:
+                planning = read_snapshot(session, config, _forecast(), models, NOW)
+        finally:
+            event.remove(Job, "load", on_load)
         return len(planning.problem.jobs), len(selects)
 
     try:
@@ -170,6 +179,8 @@ def test_the_snapshot_reads_jobs_and_their_telemetry_in_a_fixed_number_of_querie
         assert queries_many == queries_few and queries_new == queries_few + 1
         # Each read took only what was new: no sample is fitted twice.
         assert all(len(f.samples) == 3 for f in models.fitters.values())
+        # The planned jobs were read as plain rows: not one loaded as an ORM object.
+        assert loaded == []
     finally:
         engine.dispose()
 
