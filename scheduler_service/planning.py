@@ -8,10 +8,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from statistics import NormalDist
 
 from sqlalchemy.orm import Session
 
 from energy_model.carbon.forecast import CarbonForecast
+from energy_model.carbon.series import IntensitySeries
 from energy_model.emissions import StepSeries, split_by_steps
 from energy_model.job_model import JobModel, JobModelFitter, TelemetryPoint, prior_job_model
 from scheduler_service.allocation.problem import (
@@ -207,6 +209,35 @@ def planning_series(forecast: CarbonForecast, config: GreenflowConfig) -> StepSe
     return forecast.upper_series() if plans_hard_budget(config) else forecast
 
 
+def commit_series(forecast: CarbonForecast, quantile: float) -> StepSeries:
+    """The forecast's upper values re-scaled from its `upper_quantile` to `quantile` (a normal
+    spread of the log error, as `energy_model.carbon.skill` scales its prior): what the slot about
+    to run is planned with under a hard budget. Measured points stay their value."""
+    upper = forecast.upper_series()
+    base = forecast.upper_quantile
+    if base is None or base <= 0.5 or quantile <= base:
+        return upper
+    ratio = NormalDist().inv_cdf(quantile) / NormalDist().inv_cdf(base)
+    values = tuple(
+        value if value <= 0 or high <= value else value * (high / value) ** ratio
+        for value, high in zip(forecast.intensity_g_per_kwh, upper.intensity_g_per_kwh, strict=True)
+    )
+    return IntensitySeries(forecast.times, values, source=f"{upper.source} (commit q{quantile:g})")
+
+
+def planned_intensities(
+    forecast: CarbonForecast, config: GreenflowConfig, now: datetime, slot_s: float, num_slots: int
+) -> tuple[float, ...]:
+    """Mean planned intensity per slot (`planning_series`); under a hard budget the slot about to
+    run at `budget.commit_quantile` (`commit_series`): its spend is committed before the next plan
+    can correct it, while later slots are planned again once their hour is measured."""
+    out = slot_intensities(planning_series(forecast, config), now, slot_s, num_slots)
+    if not plans_hard_budget(config):
+        return out
+    first = slot_intensities(commit_series(forecast, config.budget.commit_quantile), now, slot_s, 1)
+    return (max(out[0], first[0]), *out[1:])
+
+
 def live_knobs(config: GreenflowConfig) -> ProblemKnobs:
     """The builder's knobs of the live service (the simulator's come from its own config).
 
@@ -369,9 +400,7 @@ def assemble_snapshot(
         num_slots=num_slots,
         node_gpus=rows.node_gpus,
         spannable_gpus=rows.spannable_gpus,
-        intensity_g_per_kwh=slot_intensities(
-            planning_series(forecast, config), now, slot_s, num_slots
-        ),
+        intensity_g_per_kwh=planned_intensities(forecast, config, now, slot_s, num_slots),
         jobs=tuple(plannable),
         budget_windows=rows.windows,
         pue=config.cluster.pue,
