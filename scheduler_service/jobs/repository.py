@@ -35,6 +35,7 @@ class PlanRow:
     samples_done: int
     workload: str
     current_gpus: int
+    current_layout: str | None = None  # its parallel layout (`dp2-tp4-pp1`): TP groups to place
 
 
 PLAN_COLUMNS = tuple(getattr(Job, f.name) for f in fields(PlanRow))
