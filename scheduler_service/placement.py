@@ -147,6 +147,10 @@ def place_jobs(
         if job_id in out.placements:
             continue
         target = targets.get(job_id, 0)
+        if not target:
+            # Nothing to place (most of a long queue): no search over every node for it.
+            out.placements[job_id] = NOWHERE
+            continue
         step = max(1, tp.get(job_id, 1)) if span_nodes else 1
         counts = sorted(
             {g for g in allowed.get(job_id, (target,)) if 0 < g <= target}, reverse=True
