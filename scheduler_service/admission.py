@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.orm import Session
@@ -28,6 +29,7 @@ from scheduler_service.allocation.admission import (
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import (
     AllocationPlan,
+    AllocationProblem,
     InvalidProblem,
     JobSpec,
     allowed_gpu_counts,
@@ -38,6 +40,7 @@ from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import CarbonForecastRecord
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.schemas import JobSpec as JobRequest
+from scheduler_service.placement import lost_once_placed
 from scheduler_service.planning import JobModels, PlanningInput, live_knobs, read_snapshot
 from scheduler_service.settings import GreenflowConfig
 
@@ -217,7 +220,7 @@ class Admission:
             now = max(now, utcnow())
             try:
                 result = self._check(session, request, total_samples, now, forecast, planning)
-                if reused and result is None:
+                if reused and result is None and planning.nodes.pooled():
                     # The burst's snapshot could not tell: try once more on a fresh one.
                     planning, _ = self._planning(session, forecast, now, fresh=True)
                     result = self._check(session, request, total_samples, now, forecast, planning)
@@ -321,6 +324,9 @@ class Admission:
         # A job its team's hard budget cannot pay for even alone: no plan would run it.
         if team is not None and (short := team_budget_refusal(problem, new_job, team)):
             return AdmissionResult(refused(new_job, short))
+        if not planning.nodes.pooled():
+            # The check pools the GPUs the plan leaves: the solve's plan is placed on the nodes.
+            return None
         fast = admit_on_spare(problem, new_job, in_force, self._promises(), team=team)
         return None if fast is None else AdmissionResult(*fast)
 
@@ -362,6 +368,18 @@ class Admission:
             previous=previous,
             team=self._team(request),
         )
+        if decision.guaranteed and decision.plan is not None and not planning.nodes.pooled():
+            trial = replace(problem, jobs=(*problem.jobs, new_job))
+            lost = _lost_once_placed(planning, trial, decision.plan, request, self._promises())
+            if lost:
+                names = ", ".join("this job" if k == "new" else f"job {k}" for k in lost[:5])
+                decision = refused(
+                    new_job,
+                    "the plan cannot be placed on the cluster's nodes: placed slot by slot (a job"
+                    " spans only nodes whose agents advertised a rendezvous address, and its"
+                    f" tensor-parallel groups stay inside a node) it misses the deadline of {names}",
+                    decision.plan,
+                )
         held = None
         if decision.plan is not None and "new" in decision.plan.gpus:
             watts = dict(zip(new_job.allowed_gpus, new_job.power_w, strict=True))
@@ -484,6 +502,42 @@ class Admission:
         with self._reserved_lock:
             self._reserved = {k: r for k, r in self._reserved.items() if keep(k)}
             self._reserved_at = {k: t for k, t in self._reserved_at.items() if k in self._reserved}
+
+
+def _lost_once_placed(
+    planning: PlanningInput,
+    trial: AllocationProblem,
+    plan: AllocationPlan,
+    request: JobRequest,
+    promises: Iterable[HeldGpus],
+) -> list[str]:
+    """Deadlines the solve's plan meets that it loses placed slot by slot on the snapshot's nodes
+    (`placement.lost_once_placed`), in the loop's order; promises of jobs the snapshot does not
+    list yet take their GPUs first."""
+    listed = {job.job_id for job in trial.jobs}
+    held = {
+        key: row
+        for h in promises
+        for key in h.gpus
+        if key not in listed and (row := h.over(trial, key)) is not None
+    }
+    ids = {key: -2 - i for i, key in enumerate(held)} | {"new": -1}
+    # Higher priority, then earlier deadline, then older first (`dispatch/service.decide`).
+    rank: dict[int, tuple[float, float, int]] = {i: (-math.inf, 0.0, i) for i in ids.values()}
+    assert request.deadline is not None
+    rank[-1] = (-request.priority, _aware(request.deadline).timestamp(), -1)
+    for key, job in planning.jobs.items():
+        ids[key] = job.job_id
+        due = _aware(job.deadline_at).timestamp() if job.deadline_at else math.inf
+        rank[job.job_id] = (-job.priority, due, job.job_id)
+    allowed = {ids[job.job_id]: job.allowed_gpus for job in trial.jobs}
+
+    def placed(gpus: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        rows = {ids[k]: r for k, r in {**held, **gpus}.items()}
+        out = planning.nodes.place_rows(rows, allowed, sorted(rows, key=rank.__getitem__))
+        return {k: out[ids[k]] for k in gpus}
+
+    return lost_once_placed(trial, plan, {"new"}, placed)
 
 
 def _rekeyed(held: HeldGpus, old: str, new: str) -> HeldGpus:

@@ -398,6 +398,65 @@ def test_a_deadline_job_larger_than_any_node_is_admitted_only_where_it_may_span(
             engine.dispose()
 
 
+def test_a_deadline_is_refused_when_its_plan_cannot_be_placed_on_the_nodes(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # Two 4-GPU nodes, a deadline job running on 2 GPUs of each: 4 GPUs are free, 2 per node.
+    # Pooled capacity admits a 4-GPU deadline job; placed, it fits only across both nodes.
+    request = _request("four").model_copy(update={"min_gpus": 4, "max_gpus": 4})
+    for spannable in (True, False):
+        engine = make_engine(database_url)
+        factory = make_session_factory(engine)
+        try:
+            with transaction(factory) as session:
+                session.execute(delete(GpuSlot))
+                session.execute(delete(Node))
+                session.execute(delete(Job))
+            _two_nodes(factory, spannable=spannable)
+            now = utcnow()
+            with transaction(factory) as session:
+                for node in session.scalars(select(Node).order_by(Node.name)):
+                    # 10,000 s of work at 2 GPUs (the prior's 900 samples/s), due in 3 h.
+                    job = Job(
+                        owner="bob",
+                        name=f"on-{node.name}",
+                        workload="resnet50",
+                        global_batch_size=256,
+                        total_samples=9_000_000,
+                        min_gpus=2,
+                        max_gpus=2,
+                        current_gpus=2,
+                        deadline_at=now + timedelta(hours=3),
+                        state=JobState.RUNNING.value,
+                        state_reason="running",
+                        created_at=now,
+                        updated_at=now,
+                    )
+                    session.add(job)
+                    session.flush()
+                    for slot in session.scalars(
+                        select(GpuSlot).where(GpuSlot.node_id == node.id, GpuSlot.index < 2)
+                    ):
+                        slot.job_id = job.id
+            admission = Admission(_config())
+            with transaction(factory) as session:
+                result = admission.check(session, request, 256_000, utcnow())
+            decision = result.decision
+            assert admission.stats.solves == 1
+            if spannable:
+                assert decision.admitted and decision.guaranteed, decision.reason
+            else:
+                assert not decision.admitted and not decision.guaranteed
+                assert decision.reason.startswith(
+                    "rejected: the plan cannot be placed on the cluster's nodes:"
+                ), decision.reason
+                assert "this job" in decision.reason
+                # The plan it refuses is the one pooled capacity admits.
+                assert decision.plan is not None and decision.plan.deadline_met["new"]
+        finally:
+            engine.dispose()
+
+
 def _two_gpu_cluster(factory: sessionmaker[Session]) -> None:
     with transaction(factory) as session:
         node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=utcnow())
