@@ -220,7 +220,7 @@ class Admission:
             now = max(now, utcnow())
             try:
                 result = self._check(session, request, total_samples, now, forecast, planning)
-                if reused and result is None and planning.nodes.pooled():
+                if reused and result is None:
                     # The burst's snapshot could not tell: try once more on a fresh one.
                     planning, _ = self._planning(session, forecast, now, fresh=True)
                     result = self._check(session, request, total_samples, now, forecast, planning)
@@ -324,11 +324,27 @@ class Admission:
         # A job its team's hard budget cannot pay for even alone: no plan would run it.
         if team is not None and (short := team_budget_refusal(problem, new_job, team)):
             return AdmissionResult(refused(new_job, short))
-        if not planning.nodes.pooled():
-            # The check pools the GPUs the plan leaves: the solve's plan is placed on the nodes.
+        promises = self._promises()
+        fast = admit_on_spare(problem, new_job, in_force, promises, team=team)
+        if fast is None:
             return None
-        fast = admit_on_spare(problem, new_job, in_force, self._promises(), team=team)
-        return None if fast is None else AdmissionResult(*fast)
+        if fast[0].guaranteed and not planning.nodes.pooled():
+            # The check pools the GPUs the plan leaves: it tells only where placement holds the
+            # deadline jobs' rows and the new job's (jobs without a deadline yield), else the
+            # solve's plan is placed (`placement.lost_once_placed`).
+            assert in_force is not None
+            rows: dict[str, tuple[int, ...]] = {"new": fast[1].over(problem, "new") or ()}
+            for job in problem.jobs:
+                # Each deadline job's row: the newest promise's, else the plan's (as the check).
+                for h in (*reversed(promises), in_force):
+                    row = h.over(problem, job.job_id) if job.deadline_s is not None else None
+                    if row is not None:
+                        rows[job.job_id] = row
+                        break
+            placed = _placer(planning, (*problem.jobs, new_job), request, promises, problem)
+            if placed(rows) != rows:
+                return None
+        return AdmissionResult(*fast)
 
     def _solve(
         self,
@@ -370,7 +386,8 @@ class Admission:
         )
         if decision.guaranteed and decision.plan is not None and not planning.nodes.pooled():
             trial = replace(problem, jobs=(*problem.jobs, new_job))
-            lost = _lost_once_placed(planning, trial, decision.plan, request, self._promises())
+            placed = _placer(planning, trial.jobs, request, self._promises(), problem)
+            lost = lost_once_placed(trial, decision.plan, {"new"}, placed)
             if lost:
                 names = ", ".join("this job" if k == "new" else f"job {k}" for k in lost[:5])
                 decision = refused(
@@ -504,22 +521,22 @@ class Admission:
             self._reserved_at = {k: t for k, t in self._reserved_at.items() if k in self._reserved}
 
 
-def _lost_once_placed(
+def _placer(
     planning: PlanningInput,
-    trial: AllocationProblem,
-    plan: AllocationPlan,
+    jobs: Iterable[JobSpec],
     request: JobRequest,
     promises: Iterable[HeldGpus],
-) -> list[str]:
-    """Deadlines the solve's plan meets that it loses placed slot by slot on the snapshot's nodes
-    (`placement.lost_once_placed`), in the loop's order; promises of jobs the snapshot does not
-    list yet take their GPUs first."""
-    listed = {job.job_id for job in trial.jobs}
+    problem: AllocationProblem,
+) -> Callable[[dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]:
+    """Rows of counts per job (the new one "new") -> the counts they run placed slot by slot on
+    the snapshot's nodes (`NodeFacts.place_rows`), in the loop's order; the promises of jobs
+    `problem` does not list yet take their GPUs first."""
+    listed = {job.job_id for job in problem.jobs}
     held = {
         key: row
         for h in promises
         for key in h.gpus
-        if key not in listed and (row := h.over(trial, key)) is not None
+        if key not in listed and key != "new" and (row := h.over(problem, key)) is not None
     }
     ids = {key: -2 - i for i, key in enumerate(held)} | {"new": -1}
     # Higher priority, then earlier deadline, then older first (`dispatch/service.decide`).
@@ -530,14 +547,14 @@ def _lost_once_placed(
         ids[key] = job.job_id
         due = _aware(job.deadline_at).timestamp() if job.deadline_at else math.inf
         rank[job.job_id] = (-job.priority, due, job.job_id)
-    allowed = {ids[job.job_id]: job.allowed_gpus for job in trial.jobs}
+    allowed = {ids[job.job_id]: job.allowed_gpus for job in jobs}
 
     def placed(gpus: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         rows = {ids[k]: r for k, r in {**held, **gpus}.items()}
         out = planning.nodes.place_rows(rows, allowed, sorted(rows, key=rank.__getitem__))
         return {k: out[ids[k]] for k in gpus}
 
-    return lost_once_placed(trial, plan, {"new"}, placed)
+    return placed
 
 
 def _rekeyed(held: HeldGpus, old: str, new: str) -> HeldGpus:

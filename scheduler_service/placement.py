@@ -187,19 +187,19 @@ def place_plan(
     `place_jobs` on every slot in turn, each from where the slot before left the jobs."""
     rows: dict[int, list[int]] = {job_id: [] for job_id in gpus}
     homes = dict(home or {})
+    last: dict[int, int] | None = None
+    settled = False  # the last slot's placement left every job where it was
     for t in range(max((len(row) for row in gpus.values()), default=0)):
-        placed = place_jobs(
-            {job_id: row[t] for job_id, row in gpus.items()},
-            current,
-            nodes,
-            allowed,
-            order,
-            homes,
-            tp,
-            span_nodes,
-            spannable,
-        )
-        current = placed.placements
+        targets = {job_id: row[t] for job_id, row in gpus.items()}
+        if not (settled and targets == last):
+            # Else the same inputs as the slot before (targets, placements, homes): the same
+            # placement, not searched again (a plan's counts hold for long stretches).
+            before = current
+            current = place_jobs(
+                targets, current, nodes, allowed, order, homes, tp, span_nodes, spannable
+            ).placements
+            settled = t > 0 and targets == last and current == before
+        last = targets
         for job_id, row in rows.items():
             where = current.get(job_id, NOWHERE)
             row.append(where.gpus)
