@@ -2,20 +2,24 @@
 
 The trace simulator replays the first --jobs jobs of an ElasticFlow ITP trace on a carbon series
 under a daily hard budget (--budget-share x the uncapped error-free run's emissions, split per
-day as `greenflow simulate --budget-period day` does), with forecast noise and **no budget
-watchdog** (`SimulationConfig.ideal_watchdog = False`): a
-step runs as planned whatever it spends, so the budget holds only as far as the plans keep it.
-Each seed runs once planning with the noisy forecast itself ("point") and once per --quantiles
-value planning the budget with that quantile of the intensity per slot (the service's rule:
-`planning.py`, from the forecaster's measured error; here from the noise's own spread,
-`engine.forecast_upper_factor`).
+day as `greenflow simulate --budget-period day` does), with forecast noise. `--watchdog off` (default): **no budget
+watchdog** (`SimulationConfig.ideal_watchdog = False`), a step runs as planned whatever it
+spends, so the budget holds only as far as the plans keep it; `--watchdog realistic`: the
+service's budget watchdog as it runs (`WatchdogModel()`: checks, telemetry lag, a tick's
+latency), the service as deployed. Each seed runs once planning with the noisy forecast itself
+("point") and once per --quantiles value planning the budget with that quantile of the intensity
+per slot (the service's rule: `planning.py`, from the forecaster's measured error; here from the
+noise's own spread, `engine.forecast_upper_factor`), the forecast part of the slot about to run
+with --commit-quantile (default 0.999, the service's `budget.commit_quantile`: that step's spend
+is committed before the next plan can correct it; 0.5 turns it off).
 
 Noise (`SimulationConfig.forecast_noise`, the same trace hour getting the same error however often
 it is forecast): "measured" (default), ln(actual / forecast) normal with our forecaster's measured
 spread at the slot's horizon hour (2.5 % at 1 h to 11.7 % at 24 h) times each --errors value
 (1 = as measured on the eight series of bench/forecast_error.py); "flat", forecast = actual x
-(1 + e Z) at every horizon, the current hour included, e = each --errors value (the model behind
-the README's earlier figures, e.g. 0.2).
+(1 + e Z) at every horizon, e = each --errors value (e.g. 0.2). The hour running now is
+measured, as the service's provider reports the intensity now, unless --noisy-now (the noise on
+that hour too: the model behind the earlier figures).
 
 Prints JSON (and writes it to --out): per forecast error and plan, the runs that overspent a day,
 the overspent days, the overshoot in kg and as a share of the run's allowance (every day the
@@ -26,7 +30,8 @@ Usage:
     python -m bench.budget_uncertainty [--data DIR] [--jobs 12] [--trace cluster01]
         [--series ES_2021] [--cluster 1x8] [--budget-share 0.5] [--noise measured|flat]
         [--errors 1,2]
-        [--quantiles 0.8,0.9] [--seeds 0,1,2,3] [--model-error 0] [--time-limit-s 0.5]
+        [--quantiles 0.8,0.9] [--commit-quantile 0.999] [--noisy-now] [--watchdog off|realistic]
+        [--no-point] [--seeds 0,1,2,3] [--model-error 0] [--time-limit-s 0.5]
         [--out budget_uncertainty.json]
 """
 
@@ -46,6 +51,7 @@ from energy_model.profiles import load_scaling_profiles
 from scheduler_service.simulate.engine import (
     SimulationConfig,
     SimulationReport,
+    WatchdogModel,
     forecast_upper_factor,
     simulate_trace,
 )
@@ -110,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", choices=("flat", "measured"), default="measured")
     parser.add_argument("--errors", default="1,2")
     parser.add_argument("--quantiles", default="0.8,0.9")
+    parser.add_argument("--commit-quantile", type=float, default=0.999)
+    parser.add_argument("--noisy-now", action="store_true")
+    parser.add_argument("--watchdog", choices=("off", "realistic"), default="off")
+    parser.add_argument("--no-point", action="store_true", help="run the quantile plans only")
     parser.add_argument("--seeds", default="0,1,2,3")
     parser.add_argument("--model-error", type=float, default=0.0)
     parser.add_argument("--time-limit-s", type=float, default=0.5)
@@ -134,12 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     free = simulate_trace(trace, series, profiles, base)
     budget_kg = args.budget_share * free.emissions_kg
-    plans: list[str] = [POINT, *(f"q{q:g}" for q in quantiles)]
+    plans: list[str] = [*([] if args.no_point else [POINT]), *(f"q{q:g}" for q in quantiles)]
+    plan_quantiles: list[float | None] = [*([] if args.no_point else [None]), *quantiles]
     by_error: dict[str, Any] = {}
     for error in errors:
         runs: dict[str, list[dict[str, Any]]] = {plan: [] for plan in plans}
         for seed in seeds:
-            for plan, quantile in zip(plans, [None, *quantiles], strict=True):
+            for plan, quantile in zip(plans, plan_quantiles, strict=True):
                 config = replace(
                     base,
                     budget_kg=budget_kg,
@@ -147,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                     forecast_noise=args.noise,
                     forecast_error=error,
                     forecast_quantile=quantile,
+                    commit_quantile=args.commit_quantile,
+                    measured_now=not args.noisy_now,
                     model_error=args.model_error,
                     ideal_watchdog=False,
+                    watchdog=WatchdogModel() if args.watchdog == "realistic" else None,
                     seed=seed,
                 )
                 report = simulate_trace(trace, series, profiles, config)
@@ -186,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             "forecast_noise": args.noise,
             "model_error": args.model_error,
             "seeds": seeds,
-            "watchdog": "none",
+            "watchdog": args.watchdog,
+            "commit_quantile": args.commit_quantile,
+            "measured_now": not args.noisy_now,
             "time_limit_s": args.time_limit_s,
         },
         "by_forecast_error": by_error,

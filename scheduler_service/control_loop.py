@@ -442,7 +442,8 @@ class ControlLoop:
         now: datetime,
     ) -> None:
         """Transaction two: why unplaceable jobs wait, the Plan row and the commands."""
-        rows = dispatch.planned_rows(session, planning)
+        # Plain rows: decide locks only the jobs it writes.
+        rows = dispatch.planned_plain_rows(session, planning)
         if planning.unplaceable:
             # With no node up every queued job is here: read their reasons (plain rows) and load
             # and write only the jobs whose reason changes (at most the newly queued ones).

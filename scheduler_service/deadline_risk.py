@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 from sqlalchemy.orm import Session
 
 from scheduler_service.allocation.problem import AllocationPlan, AllocationProblem, evaluate_gpus
-from scheduler_service.db.models import Job, JobEvent
-from scheduler_service.jobs.repository import JobRepository
+from scheduler_service.db.models import JobEvent
+from scheduler_service.jobs.repository import JobRepository, PlanRow
 
 DEADLINE_AT_RISK = "deadline_at_risk"
 DEADLINE_ON_TRACK = "deadline_on_track"
@@ -58,12 +58,12 @@ def record_deadline_risks(
     session: Session,
     problem: AllocationProblem,
     plan: AllocationPlan,
-    rows: Mapping[int, Job],
+    rows: Mapping[int, PlanRow],
     now: datetime,
 ) -> int:
     """Record the changes in which promised deadlines `plan` misses; the events written.
 
-    `rows`: the planned jobs' rows. A promise is a deadline admitted without best effort.
+    `rows`: the planned jobs' plain rows. A promise is a deadline admitted without best effort.
     """
     deadlines = {
         str(job_id): row.deadline_at

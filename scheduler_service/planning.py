@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from statistics import NormalDist
 
 from sqlalchemy.orm import Session
 
 from energy_model.carbon.forecast import CarbonForecast
+from energy_model.carbon.series import IntensitySeries
 from energy_model.emissions import StepSeries, split_by_steps
 from energy_model.job_model import JobModel, JobModelFitter, TelemetryPoint, prior_job_model
 from scheduler_service.allocation.problem import (
@@ -35,10 +37,11 @@ from scheduler_service.budget.ledger import (
     spent_team_queues,
     team_periods_for_horizon,
 )
-from scheduler_service.db.models import Job, Plan
+from scheduler_service.db.models import Job, Node, Plan
 from scheduler_service.jobs.repository import JobRepository, PlanRow
 from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
+from scheduler_service.placement import NodeFacts, NodeSlots, Placement, tp_degree
 from scheduler_service.settings import GreenflowConfig
 from scheduler_service.telemetry.repository import TelemetryRepository
 from scheduler_service.telemetry.service import total_samples_of
@@ -173,6 +176,8 @@ class PlanningInput:
     jobs: dict[str, PlannedJob]
     models: dict[str, JobModel]
     unplaceable: dict[int, str]
+    # The ready nodes as the loop places jobs on them: admission places its plan on them too.
+    nodes: NodeFacts = field(default_factory=NodeFacts)
 
 
 def slot_intensities(
@@ -207,6 +212,35 @@ def planning_series(forecast: CarbonForecast, config: GreenflowConfig) -> StepSe
     return forecast.upper_series() if plans_hard_budget(config) else forecast
 
 
+def commit_series(forecast: CarbonForecast, quantile: float) -> StepSeries:
+    """The forecast's upper values re-scaled from its `upper_quantile` to `quantile` (a normal
+    spread of the log error, as `energy_model.carbon.skill` scales its prior): what the slot about
+    to run is planned with under a hard budget. Measured points stay their value."""
+    upper = forecast.upper_series()
+    base = forecast.upper_quantile
+    if base is None or base <= 0.5 or quantile <= base:
+        return upper
+    ratio = NormalDist().inv_cdf(quantile) / NormalDist().inv_cdf(base)
+    values = tuple(
+        value if value <= 0 or high <= value else value * (high / value) ** ratio
+        for value, high in zip(forecast.intensity_g_per_kwh, upper.intensity_g_per_kwh, strict=True)
+    )
+    return IntensitySeries(forecast.times, values, source=f"{upper.source} (commit q{quantile:g})")
+
+
+def planned_intensities(
+    forecast: CarbonForecast, config: GreenflowConfig, now: datetime, slot_s: float, num_slots: int
+) -> tuple[float, ...]:
+    """Mean planned intensity per slot (`planning_series`); under a hard budget the slot about to
+    run at `budget.commit_quantile` (`commit_series`): its spend is committed before the next plan
+    can correct it, while later slots are planned again once their hour is measured."""
+    out = slot_intensities(planning_series(forecast, config), now, slot_s, num_slots)
+    if not plans_hard_budget(config):
+        return out
+    first = slot_intensities(commit_series(forecast, config.budget.commit_quantile), now, slot_s, 1)
+    return (max(out[0], first[0]), *out[1:])
+
+
 def live_knobs(config: GreenflowConfig) -> ProblemKnobs:
     """The builder's knobs of the live service (the simulator's come from its own config).
 
@@ -237,6 +271,7 @@ class SnapshotRows:
     team_windows: tuple[tuple[str, frozenset[str], tuple[BudgetWindow, ...]], ...] = ()
     # GPUs of each ready node whose agent advertised an address the others reach.
     spannable_gpus: tuple[int, ...] = ()
+    nodes: NodeFacts = field(default_factory=NodeFacts)
 
 
 def read_snapshot(
@@ -331,6 +366,33 @@ def read_rows(
         frozenset(deprioritised),
         team_windows,
         spannable,
+        _node_facts(nodes, chosen),
+    )
+
+
+def _node_facts(
+    nodes: Sequence[Node], chosen: Sequence[tuple[PlanRow, tuple[int, ...], int]]
+) -> NodeFacts:
+    """The ready nodes (already read) as placement sees them: a job's own node is the one
+    holding most of its slots (the loop takes its newest command's node: one more query)."""
+    by_job: dict[int, dict[int, list[int]]] = {}
+    for node in nodes:
+        for slot in node.slots:
+            if slot.job_id is not None:
+                by_job.setdefault(slot.job_id, {}).setdefault(node.id, []).append(slot.index)
+    current = {}
+    for job_id, parts in by_job.items():
+        ordered = sorted(parts.items(), key=lambda p: (-len(p[1]), p[0]))
+        current[job_id] = Placement(
+            ordered[0][0],
+            tuple(sorted(ordered[0][1])),
+            tuple((n, tuple(sorted(ix))) for n, ix in ordered[1:]),
+        )
+    return NodeFacts(
+        nodes=tuple(NodeSlots(n.id, tuple(s.index for s in n.slots)) for n in nodes),
+        spannable=frozenset(n.id for n in nodes if n.rendezvous_host and n.worker_host_port),
+        current=current,
+        tp={job.id: d for job, _, _ in chosen if (d := tp_degree(job.current_layout)) > 1},
     )
 
 
@@ -369,9 +431,7 @@ def assemble_snapshot(
         num_slots=num_slots,
         node_gpus=rows.node_gpus,
         spannable_gpus=rows.spannable_gpus,
-        intensity_g_per_kwh=slot_intensities(
-            planning_series(forecast, config), now, slot_s, num_slots
-        ),
+        intensity_g_per_kwh=planned_intensities(forecast, config, now, slot_s, num_slots),
         jobs=tuple(plannable),
         budget_windows=rows.windows,
         pue=config.cluster.pue,
@@ -385,7 +445,7 @@ def assemble_snapshot(
         ),
     )
     problem = build_problem(snapshot, live_knobs(config))
-    return PlanningInput(snapshot, problem, jobs, job_models, rows.unplaceable)
+    return PlanningInput(snapshot, problem, jobs, job_models, rows.unplaceable, rows.nodes)
 
 
 def _prior(

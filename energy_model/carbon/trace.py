@@ -77,6 +77,11 @@ class TraceProvider:
         elapsed_s = (wall_at - self.wall_start_at).total_seconds() * self.clock_speedup
         return self.start_offset_h + elapsed_s / HOUR_S
 
+    @property
+    def series_anchor_at(self) -> datetime:
+        """The series instant that played at `wall_start_at` (the replay's carbon clock there)."""
+        return self.series_start_at + timedelta(hours=self.start_offset_h)
+
     def wall_at(self, trace_hours: float) -> datetime:
         """Wall-clock time at which the replay reaches `trace_hours`."""
         wall_s = (trace_hours - self.start_offset_h) * HOUR_S / self.clock_speedup

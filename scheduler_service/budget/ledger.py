@@ -14,8 +14,10 @@ from energy_model.emissions import GRAMS_PER_KG, J_PER_KWH, interval_emissions_k
 from scheduler_service.budget.periods import (
     BudgetPeriod,
     PeriodStatus,
+    ReplayClock,
     period_containing,
     periods_between,
+    replay_clock,
     split_interval,
 )
 from scheduler_service.budget.repository import LedgerRepository
@@ -82,7 +84,7 @@ def _entries_for(
     end_at: datetime,
     energy_j: float,
     template: dict[str, Any],
-    speedup: float = 1.0,
+    clock: ReplayClock | None = None,
 ) -> float:
     """Stage the ledger entries of `energy_j` spread evenly over [start_at, end_at), one per
     budget period it touches; return their kg."""
@@ -91,7 +93,7 @@ def _entries_for(
     power_w = energy_j / interval_s
     total_kg = 0.0
     for index, (period, lo, hi) in enumerate(
-        split_interval(start_at, end_at, budget.period, budget.time_zone, speedup)
+        split_interval(start_at, end_at, budget.period, budget.time_zone, clock)
     ):
         share = (hi - lo).total_seconds() / interval_s
         emissions_kg = interval_emissions_kg(power_w, lo, hi, series.series, pue)
@@ -188,7 +190,7 @@ def charge_new_telemetry(session: Session, config: GreenflowConfig) -> ChargedTe
                 "power_source": sample.power_source,
                 "node_id": sample.node_id,
             },
-            period_speedup(config),
+            period_clock(config),
         )
         # The newest sample, not the batch's average: a job that just grew draws its new power.
         if sample.job_id not in newest or end_at > newest[sample.job_id][0]:
@@ -197,7 +199,7 @@ def charge_new_telemetry(session: Session, config: GreenflowConfig) -> ChargedTe
     newest_node: dict[int | None, tuple[datetime, float]] = {}
     for node_sample in node_samples:
         node_kg = _charge_node_sample(
-            ledger, series, budget, pue, node_sample, period_speedup(config)
+            ledger, series, budget, pue, node_sample, period_clock(config)
         )
         key = node_sample.node_id
         if key not in newest_node or node_sample.at > newest_node[key][0]:
@@ -217,7 +219,7 @@ def _charge_node_sample(
     budget: BudgetConfig,
     pue: float,
     sample: NodePowerSampleRow,
-    speedup: float = 1.0,
+    clock: ReplayClock | None = None,
 ) -> float:
     """Charge one node sample's idle-GPU and host energy; mark it charged; return its kg."""
     end_at = sample.at
@@ -253,22 +255,24 @@ def _charge_node_sample(
                     "node_id": sample.node_id,
                     "node_power_sample_id": sample.id,
                 },
-                speedup,
+                clock,
             )
     sample.charged = True
     return total_kg
 
 
-def period_speedup(config: GreenflowConfig) -> float:
-    """How much faster than the wall clock the budget periods run: the carbon clock's speed-up
-    with `budget.period_clock = "carbon"`, else 1."""
-    return config.carbon.clock_speedup if config.budget.period_clock == "carbon" else 1.0
+def period_clock(config: GreenflowConfig) -> ReplayClock | None:
+    """The clock the budget periods run on: with `budget.period_clock = "carbon"` the carbon
+    clock of the replay this process runs (its series' calendar, compressed like the replay);
+    None, the wall clock, otherwise and where no replay runs (a live provider's carbon clock is
+    the wall clock)."""
+    return replay_clock() if config.budget.period_clock == "carbon" else None
 
 
 def budget_period(config: GreenflowConfig, at: datetime) -> BudgetPeriod:
     """The budget period (of the configured kind and time zone) that contains `at`."""
     return period_containing(
-        at, config.budget.period, config.budget.time_zone, period_speedup(config)
+        at, config.budget.period, config.budget.time_zone, period_clock(config)
     )
 
 
@@ -351,8 +355,8 @@ def periods_for_horizon(
     period's end reserved: the planner plans jobs only into what the overhead leaves."""
     budget = config.budget
     out = []
-    speedup = period_speedup(config)
-    for p in periods_between(start_at, end_at, budget.period, budget.time_zone, speedup):
+    clock = period_clock(config)
+    for p in periods_between(start_at, end_at, budget.period, budget.time_zone, clock):
         status = period_status(session, config, p)
         reserve = overhead_reserve_kg(session, config, max(p.start_at, start_at), p.end_at)
         out.append(replace(status, reserved_kg=reserve))
@@ -366,7 +370,7 @@ def team_periods_for_horizon(
     (what its jobs may still spend; the nodes' overhead is reserved in the cluster's budget)."""
     budget = config.budget
     periods = list(
-        periods_between(start_at, end_at, budget.period, budget.time_zone, period_speedup(config))
+        periods_between(start_at, end_at, budget.period, budget.time_zone, period_clock(config))
     )
     return {
         team: [period_status(session, config, p, team) for p in periods]

@@ -1,4 +1,5 @@
-"""Budget periods (day, week, month) of a time zone, as UTC intervals."""
+"""Budget periods (day, week, month) of a time zone, as UTC intervals, on the wall clock or a
+replay's carbon clock."""
 
 from __future__ import annotations
 
@@ -43,31 +44,44 @@ def _local_midnight(day: date, zone: ZoneInfo) -> datetime:
     return datetime(day.year, day.month, day.day, tzinfo=zone).astimezone(UTC)
 
 
-# Days per period on a compressed carbon clock (a replay has no calendar: a month is 30 days).
-_COMPRESSED_DAYS = {"day": 1, "week": 7, "month": 30}
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+@dataclass(frozen=True)
+class ReplayClock:
+    """The carbon clock of a replay: the series instant `carbon_anchor_at` plays at the wall
+    instant `wall_anchor_at`, and series time runs `speedup` times faster than the wall's (it
+    keeps counting past the series' end when the replay loops, so the calendar goes on)."""
+
+    speedup: float
+    wall_anchor_at: datetime
+    carbon_anchor_at: datetime
+
+    def to_carbon(self, wall_at: datetime) -> datetime:
+        """The series instant playing at `wall_at`."""
+        wall_us = (wall_at - self.wall_anchor_at) // timedelta(microseconds=1)
+        return self.carbon_anchor_at + timedelta(microseconds=round(wall_us * self.speedup))
+
+    def to_wall(self, carbon_at: datetime) -> datetime:
+        """The wall instant at which the replay reaches `carbon_at` (whole microseconds, so a
+        period's end is exactly the next one's start)."""
+        carbon_us = (carbon_at - self.carbon_anchor_at) // timedelta(microseconds=1)
+        return self.wall_anchor_at + timedelta(microseconds=round(carbon_us / self.speedup))
 
 
-def _compressed_period(at: datetime, kind: PeriodKind, speedup: float) -> BudgetPeriod:
-    """The period holding `at` when the carbon clock runs `speedup` times faster than the wall:
-    a day lasts 86,400 s / speedup of wall time, counted from the Unix epoch (integer
-    microseconds, so a period's end is exactly the next one's start)."""
-    length_us = max(1, round(_COMPRESSED_DAYS[kind] * 86_400e6 / speedup))
-    since_us = (at - _EPOCH) // timedelta(microseconds=1)
-    start = _EPOCH + timedelta(microseconds=(since_us // length_us) * length_us)
-    return BudgetPeriod(start, start + timedelta(microseconds=length_us))
+_replay: ReplayClock | None = None
 
 
-def period_containing(
-    at: datetime, kind: PeriodKind, time_zone: str = "UTC", speedup: float = 1.0
-) -> BudgetPeriod:
-    """The day (from local midnight), week (from Monday) or month of `time_zone` that contains
-    `at`, as UTC instants (a DST day is 23 or 25 hours long). With a carbon clock `speedup`
-    times faster than the wall clock (`carbon.clock_speedup`, a compressed replay) periods are
-    compressed the same way, so a budget "day" is the replay's day (`_compressed_period`; the
-    time zone does not apply)."""
-    if speedup != 1.0:
-        return _compressed_period(at, kind, speedup)
+def register_replay_clock(clock: ReplayClock | None) -> None:
+    """Set the carbon clock of the replay this process runs (`make_carbon_source`; None: none)."""
+    global _replay
+    _replay = clock
+
+
+def replay_clock() -> ReplayClock | None:
+    """The carbon clock of the replay this process runs, if any."""
+    return _replay
+
+
+def _calendar_period(at: datetime, kind: PeriodKind, time_zone: str) -> BudgetPeriod:
+    """The calendar day, week (from Monday) or month of `time_zone` holding `at`, in UTC."""
     zone = ZoneInfo(time_zone)
     local = at.astimezone(zone).date()
     if kind == "day":
@@ -85,18 +99,40 @@ def period_containing(
     return BudgetPeriod(_local_midnight(first, zone), _local_midnight(after, zone))
 
 
+def period_containing(
+    at: datetime, kind: PeriodKind, time_zone: str = "UTC", clock: ReplayClock | None = None
+) -> BudgetPeriod:
+    """The day (from local midnight), week (from Monday) or month of `time_zone` that contains
+    `at`, as UTC instants (a DST day is 23 or 25 hours long). With a replay's carbon `clock`
+    (`budget.period_clock = "carbon"`) the calendar is the replay's: the period is the calendar
+    day, week or month of the series instant playing at `at`, mapped back to wall instants, so a
+    compressed replay's month lasts its 28-31 series days / speedup of wall time."""
+    if clock is None:
+        return _calendar_period(at, kind, time_zone)
+    period = _calendar_period(clock.to_carbon(at), kind, time_zone)
+    start, end = clock.to_wall(period.start_at), clock.to_wall(period.end_at)
+    # The wall <-> series mapping rounds to microseconds: at a boundary, step to the neighbour.
+    while at >= end:
+        period = _calendar_period(period.end_at, kind, time_zone)
+        start, end = end, clock.to_wall(period.end_at)
+    while at < start:
+        period = _calendar_period(period.start_at - timedelta(microseconds=1), kind, time_zone)
+        start, end = clock.to_wall(period.start_at), start
+    return BudgetPeriod(start, end)
+
+
 def periods_between(
     start_at: datetime,
     end_at: datetime,
     kind: PeriodKind,
     time_zone: str = "UTC",
-    speedup: float = 1.0,
+    clock: ReplayClock | None = None,
 ) -> Iterator[BudgetPeriod]:
     """Every period that overlaps [start_at, end_at)."""
-    period = period_containing(start_at, kind, time_zone, speedup)
+    period = period_containing(start_at, kind, time_zone, clock)
     while period.start_at < end_at:
         yield period
-        period = period_containing(period.end_at, kind, time_zone, speedup)
+        period = period_containing(period.end_at, kind, time_zone, clock)
 
 
 def split_interval(
@@ -104,11 +140,11 @@ def split_interval(
     end_at: datetime,
     kind: PeriodKind,
     time_zone: str = "UTC",
-    speedup: float = 1.0,
+    clock: ReplayClock | None = None,
 ) -> list[tuple[BudgetPeriod, datetime, datetime]]:
     """[start_at, end_at) cut at period boundaries: (period, part start, part end) triples."""
     parts = []
-    for period in periods_between(start_at, end_at, kind, time_zone, speedup):
+    for period in periods_between(start_at, end_at, kind, time_zone, clock):
         lo, hi = max(start_at, period.start_at), min(end_at, period.end_at)
         if hi > lo:
             parts.append((period, lo, hi))

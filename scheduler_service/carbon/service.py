@@ -10,13 +10,26 @@ from energy_model.carbon.factory import CarbonConfig, build_source
 from energy_model.carbon.forecast import CarbonForecast, PointKind
 from energy_model.carbon.resilient import HISTORY_POINTS, ResilientCarbonSource
 from energy_model.carbon.trace import TraceProvider
+from scheduler_service.budget.periods import ReplayClock, register_replay_clock
 from scheduler_service.carbon.repository import CarbonRepository
 from scheduler_service.db.models import CarbonForecastRecord, CarbonIntensitySample
 
 
 def make_carbon_source(config: CarbonConfig) -> ResilientCarbonSource:
-    """The configured provider wrapped in energy_model's failure policy (cache, conservative value)."""
-    return build_source(config)
+    """The configured provider wrapped in energy_model's failure policy (cache, conservative value);
+    a replay's carbon clock is registered for budget periods on it (`budget.period_clock`)."""
+    source = build_source(config)
+    provider = source.provider
+    register_replay_clock(
+        ReplayClock(
+            speedup=provider.clock_speedup,
+            wall_anchor_at=provider.wall_start_at,
+            carbon_anchor_at=provider.series_anchor_at,
+        )
+        if isinstance(provider, TraceProvider)
+        else None
+    )
+    return source
 
 
 def record_forecast(session: Session, forecast: CarbonForecast) -> None:

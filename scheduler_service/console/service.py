@@ -12,7 +12,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session
 
 from scheduler_service.auth.service import Principal
-from scheduler_service.budget.ledger import period_speedup, team_statuses
+from scheduler_service.budget.ledger import period_clock, team_statuses
 from scheduler_service.budget.periods import period_containing
 from scheduler_service.budget.repository import LedgerRepository
 from scheduler_service.console.repository import (
@@ -366,7 +366,7 @@ def _owner_filter(principal: Principal) -> str | None:
 def budget_view(repo: ConsoleRepository, config: GreenflowConfig, now: datetime) -> BudgetView:
     """The current period's budget, spend and burn-down chart."""
     period = period_containing(
-        now, config.budget.period, config.budget.time_zone, period_speedup(config)
+        now, config.budget.period, config.budget.time_zone, period_clock(config)
     )
     start, end = period.start_at, period.end_at
     entries: list[LedgerEntry] = repo.ledger_in_period(period_start=start)

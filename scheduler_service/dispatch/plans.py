@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import zip_longest
+from typing import Any
 
 from scheduler_service.db.models import Plan, PlanJob
 
@@ -13,32 +15,42 @@ PLAN_BULK_COLUMNS = (Plan.gpus_by_job, Plan.deadline_misses, Plan.slots)
 
 def total_gpus_per_slot(gpus_by_job: Mapping[str, Sequence[int]], num_slots: int) -> list[int]:
     """GPUs planned in each slot summed over jobs (as long as the plan's longest row)."""
-    length = max([num_slots, *(len(counts) for counts in gpus_by_job.values())])
-    totals = [0] * length
-    for counts in gpus_by_job.values():
-        for index, gpus in enumerate(counts):
-            totals[index] += gpus
-    return totals
+    # Column sums over the rows (zip_longest pads the short ones): a Python loop over every
+    # job x slot took half a second of each tick at 5,000 jobs.
+    totals = [sum(column) for column in zip_longest(*gpus_by_job.values(), fillvalue=0)]
+    return totals + [0] * (num_slots - len(totals))
+
+
+def plan_job_values(
+    gpus_by_job: Mapping[str, Sequence[int]], deadline_misses: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """The column values of one row per job the plan names (given GPUs or a missed deadline)."""
+    return [
+        {
+            "job_id": int(job_id),
+            "gpus": list(gpus_by_job.get(job_id, ())),
+            "deadline_miss": deadline_misses.get(job_id),
+        }
+        for job_id in sorted({*gpus_by_job, *deadline_misses}, key=int)
+    ]
 
 
 def plan_job_rows(
     gpus_by_job: Mapping[str, Sequence[int]], deadline_misses: Mapping[str, str]
 ) -> list[PlanJob]:
     """One row per job the plan names (given GPUs or a missed deadline)."""
-    return [
-        PlanJob(
-            job_id=int(job_id),
-            gpus=list(gpus_by_job.get(job_id, ())),
-            deadline_miss=deadline_misses.get(job_id),
-        )
-        for job_id in sorted({*gpus_by_job, *deadline_misses}, key=int)
-    ]
+    return [PlanJob(**values) for values in plan_job_values(gpus_by_job, deadline_misses)]
+
+
+def index_totals(plan: Plan) -> Plan:
+    """Fill a new plan's slot count and per-slot totals from its JSON columns."""
+    plan.num_slots = len(plan.slots or [])
+    plan.total_gpus = total_gpus_per_slot(plan.gpus_by_job or {}, plan.num_slots)
+    return plan
 
 
 def index_plan(plan: Plan) -> Plan:
     """Fill a new plan's slot count, per-slot totals and per-job rows from its JSON columns."""
-    gpus_by_job = plan.gpus_by_job or {}
-    plan.num_slots = len(plan.slots or [])
-    plan.total_gpus = total_gpus_per_slot(gpus_by_job, plan.num_slots)
-    plan.jobs = plan_job_rows(gpus_by_job, plan.deadline_misses or {})
+    index_totals(plan)
+    plan.jobs = plan_job_rows(plan.gpus_by_job or {}, plan.deadline_misses or {})
     return plan

@@ -6,7 +6,7 @@ leaves the scheduler, so a restart resends what was not acknowledged and loses n
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -18,11 +18,11 @@ from scheduler_service.allocation.problem import AllocationPlan
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import Allocation, Job, JobEvent, Node
 from scheduler_service.dispatch.repository import AllocationRepository
-from scheduler_service.jobs.repository import JobRepository
+from scheduler_service.jobs.repository import JobRepository, PlanRow
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, transition
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.nodes.secrets import NodeSecrets
-from scheduler_service.placement import NodeSlots, Placed, Placement, place_jobs
+from scheduler_service.placement import NOWHERE, NodeSlots, Placed, Placement, place_jobs, tp_degree
 from scheduler_service.planning import PlanningInput, plan_facts
 from scheduler_service.telemetry.service import total_samples_of
 from worker_agent.protocol import (
@@ -75,14 +75,6 @@ def _heard_within(node: Node, now: datetime, seconds: float) -> bool:
     if last.tzinfo is None:  # SQLite hands back naive UTC
         last = last.replace(tzinfo=UTC)
     return (now - last).total_seconds() <= seconds
-
-
-def tp_degree(layout: str | None) -> int:
-    """The tensor-parallel degree of a layout label `dp{d}-tp{t}-pp{p}` (1 when unknown)."""
-    for part in (layout or "").split("-"):
-        if part.startswith("tp") and part[2:].isdigit():
-            return max(1, int(part[2:]))
-    return 1
 
 
 def _pause_homes(
@@ -171,8 +163,11 @@ def stop_finished_jobs(session: Session) -> None:
         )
 
 
-def planned_rows(session: Session, planning: PlanningInput) -> dict[int, Job]:
-    """The planned jobs' rows, read again in the writing transaction.
+def planned_rows(
+    session: Session, planning: PlanningInput, job_ids: Collection[int] | None = None
+) -> dict[int, Job]:
+    """The planned jobs' rows (those of `job_ids` only, when given) read again and locked in the
+    writing transaction.
 
     A row whose plan facts (state, hold, priority, deadline, GPU range) changed since the
     snapshot is held to the version the snapshot read, so writing it fails this transaction's
@@ -183,11 +178,11 @@ def planned_rows(session: Session, planning: PlanningInput) -> dict[int, Job]:
     # Locked until the plan is written: telemetry's progress writes to these rows wait the
     # moment it takes, instead of failing this write at its flush (at 1,000 jobs reporting every
     # 5 s, some written row always changed in between and the tick re-planned until it backed off).
-    rows = JobRepository(session).get_many(
-        [job.job_id for job in planning.jobs.values()], for_update=True
-    )
-    for job in planning.jobs.values():
-        row = rows.get(job.job_id)
+    wanted = [int(key) for key in planning.jobs] if job_ids is None else sorted(job_ids)
+    rows = JobRepository(session).get_many(wanted, for_update=True)
+    for job_id in wanted:
+        job = planning.jobs[str(job_id)]
+        row = rows.get(job_id)
         if row is None:
             raise StaleDataError(f"job {job.job_id} was deleted while the tick planned")
         if row.version != job.version and plan_facts(row) != job.facts:
@@ -196,20 +191,32 @@ def planned_rows(session: Session, planning: PlanningInput) -> dict[int, Job]:
     return rows
 
 
+def planned_plain_rows(session: Session, planning: PlanningInput) -> dict[int, PlanRow]:
+    """The planned jobs' columns as they are now, as plain rows: nothing loaded or locked (the
+    write step then locks only the rows it writes, `planned_rows`)."""
+    rows = JobRepository(session).plan_rows_of([int(key) for key in planning.jobs])
+    for key, job in planning.jobs.items():
+        if int(key) not in rows:
+            raise StaleDataError(f"job {job.job_id} was deleted while the tick planned")
+    return rows
+
+
 def decide(
     session: Session,
     planning: PlanningInput,
     plan: AllocationPlan,
     now: datetime,
-    rows: dict[int, Job] | None = None,
+    rows: Mapping[int, PlanRow] | None = None,
     span_fresh_s: float | None = None,
 ) -> int:
     """Place the plan's first slot and stage a command for every job whose placement changes.
 
+    `rows`: the planned jobs' plain rows (`planned_plain_rows`); only the jobs written (their
+    placement changes, or a queued one is deferred) are loaded and locked.
     `span_fresh_s`: a job spans onto a node only if it heard from it this recently (a node that
     just died under a spanning job is not chosen again while its heartbeats time out)."""
     if rows is None:
-        rows = planned_rows(session, planning)
+        rows = planned_plain_rows(session, planning)
     first = plan.first_slot()
     targets = {int(k): v for k, v in first.items()}
     job_ids = list(targets)
@@ -255,6 +262,20 @@ def decide(
         spannable=spannable,
     )
     placements = placed.placements
+    # Only the jobs this tick writes are loaded and locked (in one query): at 5,000 queued jobs
+    # loading and locking every planned row was most of the write step, and nearly all of them
+    # keep their placement. Which ones is decided from the plain rows; the locked row decides
+    # what is written.
+    moving = {j for j in job_ids if _moves(placements[j], current.get(j), newest.get(j))}
+    deferring = {
+        j
+        for j in job_ids
+        if j not in moving
+        and placements[j].gpus == 0
+        and j in rows
+        and JobState(rows[j].state) is JobState.QUEUED
+    }
+    locked = planned_rows(session, planning, moving | deferring)
     budget_left = min(
         (p.budget_left_kg for p in planning.problem.budget_periods if p.start_s <= 0 < p.end_s),
         default=float("inf"),
@@ -269,18 +290,30 @@ def decide(
     assigned: list[tuple[int, int, int]] = []  # (node id, slot index, job id)
     with session.no_autoflush:
         for job_id in order:
-            changed += _decide_job(
-                session, job_id, rows, placements, current, newest, planning, plan, now,
-                placed, budget_left, jobs_repo, moved, assigned,
-            )  # fmt: skip
+            if job_id in moving:
+                changed += _decide_job(
+                    session, locked[job_id], placements, current, newest, planning, plan, now,
+                    placed, budget_left, jobs_repo, moved, assigned,
+                )  # fmt: skip
+            elif job_id in deferring:
+                _note_waiting(
+                    jobs_repo, locked[job_id], plan, str(job_id), placements[job_id],
+                    budget_left, placed.short.get(job_id),
+                )  # fmt: skip
     node_repo.reassign(moved, assigned)
     return changed
 
 
+def _moves(new: Placement, old: Placement | None, last: Allocation | None) -> bool:
+    """Whether a job's placement changes: it moves, or a command still in flight asks another
+    count than the plan's."""
+    in_flight = last is not None and last.status in ("pending", "unreachable")
+    return new != (old or NOWHERE) or (in_flight and last is not None and last.gpus != new.gpus)
+
+
 def _decide_job(
     session: Session,
-    job_id: int,
-    rows: dict[int, Job],
+    job: Job,
     placements: dict[int, Placement],
     current: dict[int, Placement],
     newest: dict[int, Allocation],
@@ -293,15 +326,11 @@ def _decide_job(
     moved: list[int],
     assigned: list[tuple[int, int, int]],
 ) -> int:
-    """Stage one planned job's command and event (1: its placement changes, 0: it does not)."""
-    job = rows[job_id]
+    """Stage the command and event of one planned job whose placement changes (1)."""
+    job_id = job.id
     new = placements[job_id]
-    old = current.get(job_id, Placement(None, ()))
+    old = current.get(job_id, NOWHERE)
     last = newest.get(job_id)
-    in_flight = last is not None and last.status in ("pending", "unreachable")
-    if new == old and not (in_flight and last is not None and (last.gpus != new.gpus)):
-        _note_waiting(jobs_repo, job, plan, str(job_id), new, budget_left, placed.short.get(job_id))
-        return 0
     model = planning.models[str(job_id)]
     moved.append(job_id)
     if new.node_id is not None:

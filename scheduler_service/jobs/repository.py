@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, cast
@@ -35,6 +35,7 @@ class PlanRow:
     samples_done: int
     workload: str
     current_gpus: int
+    current_layout: str | None
 
 
 PLAN_COLUMNS = tuple(getattr(Job, f.name) for f in fields(PlanRow))
@@ -126,6 +127,13 @@ class JobRepository:
         no ORM objects)."""
         stmt = select(*PLAN_COLUMNS).where(Job.state.in_(states)).order_by(Job.id)
         return [PlanRow(*row) for row in self.session.execute(stmt)]
+
+    def plan_rows_of(self, job_ids: Collection[int]) -> dict[int, PlanRow]:
+        """These jobs as the columns planning reads (one query, no ORM objects, no lock)."""
+        if not job_ids:
+            return {}
+        stmt = select(*PLAN_COLUMNS).where(Job.id.in_(sorted(job_ids)))
+        return {row.id: row for row in (PlanRow(*values) for values in self.session.execute(stmt))}
 
     def state_reasons(self, job_ids: Sequence[int]) -> dict[int, str]:
         """The state reason of each of these jobs (one query, no ORM objects)."""

@@ -229,6 +229,29 @@ def simulate(
             max=0.99,
         ),
     ] = None,
+    commit_quantile: Annotated[
+        float,
+        typer.Option(
+            "--commit-quantile",
+            help=(
+                "With --forecast-quantile: the quantile the forecast part of the slot about to run"
+                " is planned with (its spend is committed before the next plan; the service's"
+                " budget.commit_quantile); 0.5 or --forecast-quantile: no such reserve."
+            ),
+            min=0.5,
+            max=0.9999,
+        ),
+    ] = 0.999,
+    noisy_now: Annotated[
+        bool,
+        typer.Option(
+            "--noisy-now",
+            help=(
+                "Forecast noise on the hour running now too (default: that hour is measured, as"
+                " the service's provider reports the intensity now)."
+            ),
+        ),
+    ] = False,
     model_error: Annotated[
         float, typer.Option("--model-error", help="Relative std of throughput/power model error.")
     ] = 0.0,
@@ -380,6 +403,8 @@ def simulate(
             forecast_noise=cast(Literal["flat", "measured"], forecast_noise),
             forecast_error=forecast_error,
             forecast_quantile=forecast_quantile,
+            commit_quantile=commit_quantile,
+            measured_now=not noisy_now,
             model_error=model_error,
             elasticflow_events=elasticflow_events,
             elasticflow_overhead=elasticflow_overhead,

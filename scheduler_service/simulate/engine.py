@@ -40,7 +40,6 @@ from scheduler_service.allocation.problem import (
     AllocationProblem,
     BudgetMode,
     JobSpec,
-    evaluate_gpus,
 )
 from scheduler_service.allocation.snapshot import (
     BudgetWindow,
@@ -51,7 +50,14 @@ from scheduler_service.allocation.snapshot import (
     most_gpus_per_job,
     plan_job,
 )
-from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place_jobs, place_plan
+from scheduler_service.placement import (
+    NOWHERE,
+    NodeSlots,
+    Placement,
+    lost_once_placed,
+    place_jobs,
+    place_plan,
+)
 from scheduler_service.settings import ClusterConfig, PlannerConfig, default_budget_check_s
 from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 from scheduler_service.simulate.watchdog import RealisticWatchdog
@@ -121,6 +127,15 @@ class SimulationConfig:
     # forecast itself, as the service plans with its forecaster's measured error
     # (`forecast_upper_factor`); None: the forecast itself.
     forecast_quantile: float | None = None
+    # With `forecast_quantile`: the quantile the forecast part of the slot about to run is planned
+    # with (the service's `budget.commit_quantile`): what a step spends is committed before the
+    # next plan can correct it, while later slots are planned again once measured. None: the
+    # forecast quantile there too.
+    commit_quantile: float | None = 0.999
+    # The hour running now is measured, not forecast (the service plans with the intensity its
+    # provider reports now): forecast noise applies to the hours not begun yet. False: the noise
+    # applies to the hour running now too (the flat model's earlier figures).
+    measured_now: bool = True
     model_error: float = 0.0  # relative std of the per-job throughput/power misestimate
     time_limit_s: float = 2.0
     seed: int = 0
@@ -169,8 +184,10 @@ class SimulationConfig:
             raise SimulationError("deadline_margin_s must be >= 0")
         if self.forecast_error < 0 or self.model_error < 0:
             raise SimulationError("forecast_error and model_error must be >= 0")
-        if self.forecast_quantile is not None and not 0.5 <= self.forecast_quantile < 1.0:
-            raise SimulationError("forecast_quantile must be in [0.5, 1)")
+        for name in ("forecast_quantile", "commit_quantile"):
+            quantile = getattr(self, name)
+            if quantile is not None and not 0.5 <= quantile < 1.0:
+                raise SimulationError(f"{name} must be in [0.5, 1)")
         if self.spannable_nodes is not None and (
             self.placement != "nodes" or not 0 <= self.spannable_nodes <= self.num_nodes
         ):
@@ -481,20 +498,7 @@ class NodePlacer:
     ) -> list[str]:
         """Deadlines an admission plan meets on pooled capacity that placing it slot by slot on
         the nodes loses: a new job's, or another's that the plan without the new jobs keeps."""
-        ids = {j.job_id for j in problem.jobs}
-        with_new = evaluate_gpus(problem, self._placed(plan.gpus, states)).deadline_met
-        base = replace(problem, jobs=tuple(j for j in problem.jobs if j.job_id not in new_jobs))
-        without = evaluate_gpus(
-            base, self._placed({j: r for j, r in plan.gpus.items() if j not in new_jobs}, states)
-        ).deadline_met
-        return sorted(
-            j
-            for j, met in plan.deadline_met.items()
-            if met
-            and j in ids
-            and not with_new.get(j, False)
-            and (j in new_jobs or without.get(j, False))
-        )
+        return lost_once_placed(problem, plan, new_jobs, lambda gpus: self._placed(gpus, states))
 
     def _placed(
         self, gpus: dict[str, tuple[int, ...]], states: dict[str, _JobState]
@@ -1071,29 +1075,14 @@ def _snapshot(
     """The replay's world at `now` as the policy sees it (forecast and model error applied)."""
     slots = config.horizon_slots
     slot_s = config.slot_s
-    intensity = [
-        clock.mean_intensity(now + t * slot_s, now + (t + 1) * slot_s) for t in range(slots)
-    ]
     if config.forecast_error > 0:
-        # Noise from a generator keyed on the slot's time: the same hour gets the same error
-        # whenever it is forecast, so re-planning does not average the error away.
-        noisy = []
-        for t, value in enumerate(intensity):
-            key = int((now + t * slot_s) // 3600) + 7919 * config.seed
-            draw = np.random.default_rng(key).normal(0.0, 1.0)
-            if config.forecast_noise == "flat":
-                noisy.append(max(0.0, value * (1.0 + config.forecast_error * draw)))
-            else:
-                sigma = config.forecast_error * measured_log_std(_horizon_h(t, slot_s))
-                noisy.append(value * math.exp(-sigma * draw))
-        intensity = noisy
-        if config.forecast_quantile is not None and periods:
-            # A hard budget plans with the upper quantile (the service's rule, `planning.py`).
-            intensity = [
-                value
-                * forecast_upper_factor(config, config.forecast_quantile, _horizon_h(t, slot_s))
-                for t, value in enumerate(intensity)
-            ]
+        intensity = [
+            seen_intensity(config, clock, now, t, hard=bool(periods)) for t in range(slots)
+        ]
+    else:
+        intensity = [
+            clock.mean_intensity(now + t * slot_s, now + (t + 1) * slot_s) for t in range(slots)
+        ]
     horizon_end = now + slots * slot_s
     windows = tuple(
         BudgetWindow(
@@ -1116,6 +1105,54 @@ def _snapshot(
     )
 
 
+def seen_intensity(
+    config: SimulationConfig, clock: CarbonClock, now: float, slot: int, *, hard: bool
+) -> float:
+    """The mean intensity the planner sees over one slot under forecast noise, raised under a
+    hard budget to `forecast_quantile` (the slot about to run: `commit_quantile`).
+
+    With `config.measured_now`, per trace hour the slot touches: the actual value in the hour
+    running now (measured), the noisy forecast in later ones. Without (the earlier model): the
+    slot's actual mean times one draw, keyed on the hour the slot starts in."""
+    slot_s = config.slot_s
+    start, end = now + slot * slot_s, now + (slot + 1) * slot_s
+    if not config.measured_now:
+        return _noisy(config, clock.mean_intensity(start, end), now, start, slot, hard=hard)
+    now_hour = math.floor(now / 3600.0)
+    total = 0.0
+    cursor = start
+    while cursor < end - 1e-9:
+        piece_end = min(end, (math.floor(cursor / 3600.0) + 1) * 3600.0)
+        value = clock.mean_intensity(cursor, piece_end)
+        if math.floor(cursor / 3600.0) != now_hour:
+            value = _noisy(config, value, now, cursor, slot, hard=hard)
+        total += value * (piece_end - cursor)
+        cursor = piece_end
+    return total / slot_s
+
+
+def _noisy(
+    config: SimulationConfig, value: float, now: float, at: float, slot: int, *, hard: bool
+) -> float:
+    """`value` (the actual mean from trace time `at`) as forecast at `now`, with the quantile."""
+    # Noise from a generator keyed on the trace hour: the same hour gets the same error whenever
+    # it is forecast, so re-planning does not average the error away.
+    hour = math.floor(at / 3600.0)
+    draw = np.random.default_rng(hour + 7919 * config.seed).normal(0.0, 1.0)
+    horizon_h = int((at - now) // 3600.0) + 1
+    if config.forecast_noise == "flat":
+        value = max(0.0, value * (1.0 + config.forecast_error * draw))
+    else:
+        value *= math.exp(-config.forecast_error * measured_log_std(horizon_h) * draw)
+    if hard and config.forecast_quantile is not None:
+        # A hard budget plans with the upper quantile (the service's rule, `planning.py`).
+        quantile = config.forecast_quantile
+        if slot == 0 and config.commit_quantile is not None:
+            quantile = max(quantile, config.commit_quantile)
+        value *= forecast_upper_factor(config, quantile, horizon_h)
+    return value
+
+
 # The flat noise never reaches the quantile's pole (a noise of 1 / z_q or more).
 _MAX_UPPER_FACTOR = 20.0
 
@@ -1125,11 +1162,6 @@ def measured_log_std(horizon_h: int) -> float:
     24 h): its measured 80th percentile (`PRIOR_UPPER_LOG_ERROR_Q80`) read as a normal spread."""
     index = min(max(horizon_h, 1), len(PRIOR_UPPER_LOG_ERROR_Q80)) - 1
     return PRIOR_UPPER_LOG_ERROR_Q80[index] / NormalDist().inv_cdf(PRIOR_QUANTILE)
-
-
-def _horizon_h(slot: int, slot_s: float) -> int:
-    """The horizon hour a slot starts in (the slot starting now: 1 h, the shortest measured)."""
-    return int(slot * slot_s // 3600) + 1
 
 
 def forecast_upper_factor(config: SimulationConfig, quantile: float, horizon_h: int = 1) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
@@ -16,9 +17,11 @@ from energy_model.profiles import load_scaling_profiles
 from scheduler_service.planning import JobModels, SnapshotRows, assemble_snapshot
 from scheduler_service.settings import GreenflowConfig
 from scheduler_service.simulate.engine import (
+    CarbonClock,
     SimulationConfig,
     forecast_upper_factor,
     measured_log_std,
+    seen_intensity,
     simulate_trace,
 )
 from scheduler_service.simulate.trace import load_trace
@@ -65,6 +68,74 @@ def _planned_intensity(config: GreenflowConfig) -> tuple[float, ...]:
     return planning.problem.intensity_g_per_kwh[:2]
 
 
+def test_the_slot_about_to_run_plans_its_forecast_part_at_the_commit_quantile() -> None:
+    # Hour-long slots; the forecast's 300 g/kWh (q0.8 upper 330) starts half-way through slot 0.
+    half = _forecast().model_copy(
+        update={
+            "points": (
+                _forecast().points[0],
+                _forecast().points[1].model_copy(update={"at": NOW + timedelta(minutes=30)}),
+            )
+        }
+    )
+    rows = SnapshotRows(now=NOW, node_gpus=(4,), chosen=(), unplaceable={}, windows=())
+
+    def planned(config: GreenflowConfig) -> tuple[float, ...]:
+        return assemble_snapshot(rows, config, half, JobModels()).problem.intensity_g_per_kwh[:2]
+
+    hard = _config("hard")
+    # The measured half at its value; the forecast half at the 99.9th percentile: the factor
+    # 1.1 of the 80th scaled as a normal spread of the log error.
+    ratio = NormalDist().inv_cdf(0.999) / NormalDist().inv_cdf(0.8)
+    first, second = planned(hard)
+    assert first == pytest.approx(0.5 * 200.0 + 0.5 * 300.0 * 1.1**ratio)
+    assert second == pytest.approx(330.0)  # later slots: the forecast quantile
+    # No reserve asked: slot 0 at the forecast quantile like the others.
+    off = hard.model_copy(
+        update={"budget": hard.budget.model_copy(update={"commit_quantile": 0.5})}
+    )
+    assert planned(off) == pytest.approx((265.0, 330.0))
+    # A soft budget plans with the forecast itself.
+    assert planned(_config("soft")) == pytest.approx((250.0, 300.0))
+
+
+def test_the_replay_measures_the_hour_running_now_and_reserves_for_the_slot_about_to_run(
+    tmp_path: Path,
+) -> None:
+    series = load_intensity_csv(write_series(tmp_path, [100.0, 200.0, 300.0, 400.0] * 6))
+    clock = CarbonClock(series, 1.0)
+    config = SimulationConfig(
+        policy="greenflow",
+        num_nodes=1,
+        gpus_per_node=1,
+        forecast_noise="flat",
+        forecast_error=0.2,
+        forecast_quantile=0.8,
+        seed=3,
+    )
+    now = 1800.0  # half-way through the first hour; slots of 900 s
+    # Slot 0 [1800, 2700) lies in the hour running now: measured, no noise, no reserve.
+    assert seen_intensity(config, clock, now, 0, hard=True) == pytest.approx(100.0)
+    # Slot 2 [3600, 4500) is in the next hour: the noisy forecast at the q0.8 factor.
+    draw = np.random.default_rng(1 + 7919 * 3).normal(0.0, 1.0)
+    noisy = max(0.0, 200.0 * (1.0 + 0.2 * draw))
+    assert seen_intensity(config, clock, now, 2, hard=True) == pytest.approx(
+        noisy * forecast_upper_factor(config, 0.8, 1)
+    )
+    # Without a hard budget: the noisy forecast itself.
+    assert seen_intensity(config, clock, now, 2, hard=False) == pytest.approx(noisy)
+    # From 3150 s, slot 0 is half this hour (measured) and half the next (at the commit quantile).
+    assert seen_intensity(config, clock, 3150.0, 0, hard=True) == pytest.approx(
+        0.5 * 100.0 + 0.5 * noisy * forecast_upper_factor(config, 0.999, 1)
+    )
+    # The earlier model: the hour running now is forecast too.
+    earlier = replace(config, measured_now=False, commit_quantile=None)
+    first = max(0.0, 100.0 * (1.0 + 0.2 * np.random.default_rng(7919 * 3).normal(0.0, 1.0)))
+    assert seen_intensity(earlier, clock, now, 0, hard=True) == pytest.approx(
+        first * forecast_upper_factor(config, 0.8, 1)
+    )
+
+
 def test_a_hard_budget_plans_with_the_forecasts_upper_quantile() -> None:
     assert _planned_intensity(_config("hard")) == (200.0, 330.0)
     # A team's hard budget under a soft cluster budget is planned the same way.
@@ -91,6 +162,8 @@ def test_the_simulators_upper_factor_is_exceeded_one_time_in_five(
         assert float((actual_over_forecast > factor).mean()) == pytest.approx(0.2, abs=0.005)
 
 
+# Five replays: generous under a loaded machine.
+@pytest.mark.timeout(1200)
 def test_the_quantile_plan_keeps_a_hard_budget_the_point_plan_overspends(tmp_path: Path) -> None:
     # Six jobs on one 4-GPU node under half the uncapped run's emissions a day, 20 % flat
     # forecast noise, and no budget watchdog: the plans alone must hold the budget.
@@ -107,6 +180,8 @@ def test_the_quantile_plan_keeps_a_hard_budget_the_point_plan_overspends(tmp_pat
         forecast_error=0.2,
         ideal_watchdog=False,
         seed=1,
+        # The earlier flat model: the hour running now is forecast too, 20 % off.
+        measured_now=False,
     )
     point = simulate_trace(jobs, series, profiles, noisy)
     upper = simulate_trace(jobs, series, profiles, replace(noisy, forecast_quantile=0.8))

@@ -12,13 +12,14 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
+from scheduler_service.budget import periods
 from scheduler_service.budget.ledger import (
     attribution_shares,
     charge_new_telemetry,
     current_period,
     periods_for_horizon,
 )
-from scheduler_service.budget.periods import period_containing, split_interval
+from scheduler_service.budget.periods import ReplayClock, period_containing, split_interval
 from scheduler_service.db.models import LedgerEntry, NodePowerSampleRow
 from scheduler_service.db.session import transaction
 from scheduler_service.settings import GreenflowConfig
@@ -208,18 +209,25 @@ def test_the_planner_plans_only_into_what_the_nodes_overhead_leaves(
         assert current_period(session, config, now).reserved_kg == 0.0
 
 
-def test_a_compressed_carbon_clock_compresses_the_budget_periods_and_the_reserve(
-    client: TestClient, tokens: Tokens
+def test_a_replays_carbon_clock_compresses_the_budget_periods_and_the_reserve(
+    client: TestClient, tokens: Tokens, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The demo's clock: one trace hour every 5 s, so a budget day lasts 120 s of wall time.
-    day = period_containing(datetime(2026, 11, 28, 0, 1, 7, tzinfo=UTC), "day", "UTC", 720.0)
-    assert day.end_at - day.start_at == timedelta(seconds=120)
-    assert day.start_at <= datetime(2026, 11, 28, 0, 1, 7, tzinfo=UTC) < day.end_at
+    # The demo's clock: one series hour every 5 s, so a budget day lasts 120 s of wall time.
+    wall0 = datetime.now(UTC)
+    replay = ReplayClock(720.0, wall0, datetime(2021, 2, 27, 12, tzinfo=UTC))
+    monkeypatch.setattr(periods, "_replay", replay)
+    # 67 s in, the series is at 2021-02-28 01:24: its day started 12 h of series time (60 s)
+    # after the anchor.
+    day = period_containing(wall0 + timedelta(seconds=67), "day", "UTC", replay)
+    assert (day.start_at, day.end_at) == (
+        wall0 + timedelta(seconds=60),
+        wall0 + timedelta(seconds=180),
+    )
     parts = split_interval(day.end_at - timedelta(seconds=2), day.end_at + timedelta(seconds=3),
-                           "day", "Europe/Berlin", 720.0)  # fmt: skip
+                           "day", "UTC", replay)  # fmt: skip
     assert [(hi - lo).total_seconds() for _, lo, hi in parts] == [2.0, 3.0]
     assert parts[1][0].start_at == day.end_at
-    week = period_containing(day.start_at, "week", "UTC", 720.0)
+    week = period_containing(day.start_at, "week", "UTC", replay)
     assert week.end_at - week.start_at == timedelta(seconds=840)
     assert _register(client, tokens.agent, "node-1", gpus=2).status_code == 200
     now = datetime.now(UTC)

@@ -89,3 +89,32 @@ def test_every_policy_keeps_a_teams_budget_and_the_others_take_its_gpus() -> Non
     raw = POLICIES["carbon-agnostic"](problem, previous=None, time_limit_s=1.0, seed=0)
     assert raw.gpus["nlp-1"] == raw.gpus["nlp-2"] == (0, 0, 0, 0)
     assert evaluate_gpus(problem, raw.gpus).budget_ok
+
+
+def test_a_team_over_its_budget_is_planned_again_among_its_own_jobs() -> None:
+    # nlp-1 must finish 4 GPU-slots of work (144,000 samples at 10/s per GPU) within the 4 h
+    # horizon; nlp's budget pays exactly 4 GPU-slots at one GPU (0.12 kg).
+    deadline = replace(
+        _job("nlp-1"), remaining_samples=4 * 36_000.0, deadline_s=4 * 3600.0, priority=1.0
+    )
+    problem = replace(
+        _problem(left_kg=0.12),
+        jobs=(deadline, _job("nlp-2", priority=2.0), _job("vision-1")),
+    )
+    greenflow = POLICIES["greenflow"]
+    free = greenflow(replace(problem, team_budgets=()), previous=None, time_limit_s=2.0, seed=0)
+    cut = cut_to_team_budgets(problem, free.gpus)
+    # Cutting the free plan back from its latest slots keeps nlp-1's fastest slot and drops the
+    # rest of its work: its deadline is lost.
+    assert evaluate_gpus(problem, cut).budget_ok
+    assert evaluate_gpus(problem, cut).deadline_met == {"nlp-1": False}
+    plan = get_policy("greenflow")(problem, previous=None, time_limit_s=2.0, seed=0)
+    planned = evaluate_gpus(problem, plan.gpus)
+    # Planned again under the same budget, nlp-1 runs at its most frugal count and makes it.
+    assert planned.budget_ok and planned.capacity_ok
+    assert planned.deadline_met == {"nlp-1": True}
+    assert plan.gpus["nlp-1"] == (1, 1, 1, 1) and plan.gpus["nlp-2"] == (0, 0, 0, 0)
+    # The other team takes the GPUs nlp leaves.
+    assert all(n >= 2 for n in plan.gpus["vision-1"])
+    assert planned.objective < evaluate_gpus(problem, {**free.gpus, **cut}).objective
+    assert plan.team_cut == {"nlp-1": "nlp", "nlp-2": "nlp"}

@@ -3,9 +3,11 @@ a job spans nodes only where that is allowed, and counts placement lowers are co
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from energy_model.carbon.series import load_intensity_csv
 from energy_model.profiles import load_scaling_profiles
@@ -21,7 +23,7 @@ from scheduler_service.simulate.engine import (
     simulate_trace,
 )
 from scheduler_service.simulate.trace import JobTables, TraceJob, load_trace
-from tests.simulate.test_simulate import T0, write_series, write_trace
+from tests.simulate.test_simulate import T0, _app, write_series, write_trace
 
 
 def _replay(
@@ -168,3 +170,25 @@ def test_admission_promises_only_what_its_plan_keeps_once_placed(
         assert queued.admitted and not queued.guaranteed
     else:
         assert refused is decision
+
+
+def test_cli_places_on_nodes_and_names_the_placement_in_its_report(tmp_path: Path) -> None:
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "wide.csv").write_text("global_batch_size,1,2,4,8\n32,10,18,30,50\n")
+    carbon = write_series(tmp_path, [100.0] * 24)
+    trace = write_trace(tmp_path, ["w,0,180000,wide,,32,8,3600"])
+    out = tmp_path / "report.json"
+    base = ["simulate", "--jobs", str(trace), "--carbon", str(carbon), "--profiles", str(profiles)]
+    base += ["--cluster", "2x4", "--policy", "static", "--out", str(out)]
+    runner = CliRunner()
+    result = runner.invoke(_app(), [*base, "--placement", "nodes", "--spannable-nodes", "0"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert payload["placement"] == "nodes 2x4, 0 spannable"
+    assert payload["avg_jct_s"] == pytest.approx(6000.0)
+    assert payload["jobs_detail"][0]["nodes_max"] == 1
+    bad = runner.invoke(_app(), [*base, "--placement", "racks"])
+    assert bad.exit_code == 2 and "pooled or nodes" in bad.output
+    pooled_span = runner.invoke(_app(), [*base, "--spannable-nodes", "1"])
+    assert pooled_span.exit_code == 2 and "spannable_nodes" in pooled_span.output

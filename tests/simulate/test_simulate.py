@@ -401,6 +401,8 @@ def test_hard_budget_holds_under_model_and_forecast_error(tmp_path: Path) -> Non
             model_error=0.3,
             forecast_error=0.2,
             seed=seed,
+            # 20 % off on the hour running now too: errors the plans cannot see coming.
+            measured_now=False,
         )
         report = simulate_trace(jobs, series, profiles, config)
         # Plans see wrong power and intensity; the watchdog still keeps the real spend in budget.

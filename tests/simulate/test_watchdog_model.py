@@ -203,6 +203,8 @@ def test_the_default_ideal_watchdog_report_is_unchanged(tmp_path: Path, policy: 
         model_error=0.3,
         forecast_error=0.2,
         seed=0,
+        # The forecast noise of that code: one draw per slot, the hour running now included.
+        measured_now=False,
     )
     assert config.watchdog is None
     report: SimulationReport = simulate_trace(jobs, series, profiles, config)
