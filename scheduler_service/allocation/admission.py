@@ -4,7 +4,7 @@ breaking the deadlines the plan without it meets (docs/allocation.md, "`admit`")
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import cached_property
@@ -79,12 +79,11 @@ def admit(
     # plan does not (a solve started without the new job, at half the time limit, measured
     # refusing a job that "would break" deadlines the plan in force met, 200 deadline jobs
     # queued).
-    seeded = None
-    for start in (previous, base) if new_job.deadline_s is not None else ():
-        candidate = None if start is None else seeded_plan(trial, start, new_job.job_id)
-        if candidate is not None and keeps_all(candidate) and _feasible(trial, candidate):
-            seeded = candidate
-            break
+    seeded = (
+        seed_for(trial, (previous, base), (new_job.job_id,), met_before)
+        if new_job.deadline_s is not None
+        else None
+    )
     plan = plan_with(trial, previous=seeded or previous, time_limit_s=time_limit_s / 2, seed=seed)
     if new_job.deadline_s is None:
         return AdmissionDecision(True, False, "no deadline", plan)
@@ -176,43 +175,68 @@ def in_force_plan(problem: AllocationProblem, held: Sequence[HeldGpus]) -> Alloc
     )
 
 
-def seeded_plan(
-    trial: AllocationProblem, previous: AllocationPlan, new_job_id: str
+def seed_for(
+    trial: AllocationProblem,
+    starts: Sequence[AllocationPlan | None],
+    new_job_ids: Sequence[str],
+    keep: Collection[str],
 ) -> AllocationPlan | None:
-    """The plan in force (`previous`, moved to the trial's start) with the new job run earliest
-    first at its largest allowed count on the GPUs it leaves; jobs without a deadline yield
-    theirs where the new job needs them, no deadline job is moved (None: no warm start)."""
+    """The first of `starts` that, with the new jobs on the GPUs it leaves (`seeded_plan`),
+    meets the deadlines of the new jobs and of `keep` within the hard constraints (None: none)."""
+    for start in starts:
+        seeded = None if start is None else seeded_plan(trial, start, new_job_ids)
+        if (
+            seeded is not None
+            and all(seeded.deadline_met.get(k, False) for k in (*new_job_ids, *keep))
+            and _feasible(trial, seeded)
+        ):
+            return seeded
+    return None
+
+
+def seeded_plan(
+    trial: AllocationProblem, previous: AllocationPlan, new_job_ids: Sequence[str]
+) -> AllocationPlan | None:
+    """The plan in force (`previous`, moved to the trial's start) with the new jobs, earliest
+    deadline first, each run earliest first at its largest allowed count on the GPUs it leaves;
+    jobs without a deadline yield theirs where a new job needs them, no deadline job is moved
+    (None: no warm start)."""
     warm = shift_previous(previous, trial)
     if warm is None:
         return None
-    new_job = next(job for job in trial.jobs if job.job_id == new_job_id)
-    gpus = {k: list(v) for k, v in warm.items() if k != new_job_id}
+    new = set(new_job_ids)
+    gpus = {k: list(v) for k, v in warm.items() if k not in new}
     used = np.zeros(trial.num_slots, dtype=np.int64)
     for counts in gpus.values():
         used += np.asarray(counts, dtype=np.int64)
     spare = np.asarray(trial.capacity_gpus, dtype=np.int64) - used
     # No promise to keep: the lowest priority yields first.
     yielders = sorted(
-        (job for job in trial.jobs if job.deadline_s is None and job.job_id != new_job_id),
+        (job for job in trial.jobs if job.deadline_s is None and job.job_id not in new),
         key=lambda job: job.priority,
     )
-    row = []
-    done = 0.0
-    for t in range(trial.num_slots):
-        free = int(spare[t]) + sum(gpus[job.job_id][t] for job in yielders)
-        fits = [g for g in new_job.allowed_gpus if g <= free]
-        count = fits[-1] if fits and done < new_job.remaining_samples else 0
-        for job in yielders:
-            if count <= spare[t]:
-                break
-            spare[t] += gpus[job.job_id][t]
-            gpus[job.job_id][t] = 0
-        row.append(count)
-        if count:
-            spare[t] -= count
-            done += new_job.throughput_samples_per_s[new_job.index_of(count)] * trial.slot_s
+    placing = sorted(
+        (job for job in trial.jobs if job.job_id in new),
+        key=lambda job: (job.deadline_s is None, job.deadline_s or 0.0, job.job_id),
+    )
+    for new_job in placing:
+        row = []
+        done = 0.0
+        for t in range(trial.num_slots):
+            free = int(spare[t]) + sum(gpus[job.job_id][t] for job in yielders)
+            fits = [g for g in new_job.allowed_gpus if g <= free]
+            count = fits[-1] if fits and done < new_job.remaining_samples else 0
+            for job in yielders:
+                if count <= spare[t]:
+                    break
+                spare[t] += gpus[job.job_id][t]
+                gpus[job.job_id][t] = 0
+            row.append(count)
+            if count:
+                spare[t] -= count
+                done += new_job.throughput_samples_per_s[new_job.index_of(count)] * trial.slot_s
+        gpus[new_job.job_id] = row
     seeded = {k: tuple(v) for k, v in gpus.items()}
-    seeded[new_job_id] = tuple(row)
     seeded = trim_after_finish(trial, pad_for_stalls(trial, seeded) or seeded)
     offset = round((trial.start_at - previous.start_at).total_seconds() / trial.slot_s)
     price = previous.gpu_price_per_slot[offset:]

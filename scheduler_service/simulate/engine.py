@@ -33,6 +33,7 @@ from scheduler_service.allocation.admission import (
     AdmissionDecision,
     admit,
     after_horizon_overcommitted,
+    seed_for,
 )
 from scheduler_service.allocation.policies import ADMISSION_CONTROL, UnknownPolicy, get_policy
 from scheduler_service.allocation.problem import (
@@ -964,6 +965,7 @@ def _admit_batch(
     limit_s = config.time_limit_s / 2
     met_before: set[str] = set()
     crowded_before: set[str] = set()
+    base = None
     if problem.jobs:
         # Warm from the plan in force, and its kept deadlines are promises too (as in `admit`).
         base = policy(problem, previous=previous, time_limit_s=limit_s, seed=config.seed)
@@ -974,7 +976,14 @@ def _admit_batch(
     knobs = _knobs(config, periods)
     specs = [plan_job(_plannable(states[j], now), knobs) for j in batch]
     trial = replace(problem, jobs=(*problem.jobs, *specs))
-    plan = policy(trial, previous=previous, time_limit_s=limit_s, seed=config.seed)
+    # Seeded as in `admit`: the plan in force (else the base plan) with the batch on the GPUs it
+    # leaves, the answer where it keeps every deadline and the solve's plan does not.
+    seeded = seed_for(trial, (previous, base), batch, met_before)
+    plan = policy(trial, previous=seeded or previous, time_limit_s=limit_s, seed=config.seed)
+    if seeded is not None and not all(
+        plan.deadline_met.get(k, False) for k in (*batch, *met_before)
+    ):
+        plan = seeded
     # After the horizon the plan lets each job run alone at full speed: together they must fit.
     crowded = set(after_horizon_overcommitted(trial, plan.gpus)) - crowded_before
     late = [j for j in batch if not plan.deadline_met.get(j, False) or j in crowded]

@@ -93,7 +93,7 @@ def test_a_job_the_plan_in_force_has_room_for_is_admitted_by_the_full_solve() ->
     # The plan in force with the new job on its free GPU keeps every deadline. (What
     # over-rejected, measured at this commit: the policy's trial solve, cold or started from the
     # plan in force without the new job, misses j0's deadline.)
-    seeded = seeded_plan(trial, in_force, "new")
+    seeded = seeded_plan(trial, in_force, ("new",))
     assert seeded is not None and seeded.gpus["new"][:3] == (0, 0, 1)
     assert all(seeded.deadline_met[k] for k in (*promised, "new"))
     decision = admit(problem, new, time_limit_s=LIMIT_S, seed=0, policy=policy, previous=in_force)
