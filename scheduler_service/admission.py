@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.orm import Session
@@ -19,6 +20,7 @@ from scheduler_service.allocation.admission import (
     HeldGpus,
     admit,
     admit_on_spare,
+    in_force_plan,
     refused,
     team_budget_refusal,
     unlisted_load,
@@ -27,6 +29,7 @@ from scheduler_service.allocation.admission import (
 from scheduler_service.allocation.policies import get_policy
 from scheduler_service.allocation.problem import (
     AllocationPlan,
+    AllocationProblem,
     InvalidProblem,
     JobSpec,
     allowed_gpu_counts,
@@ -37,6 +40,7 @@ from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import CarbonForecastRecord
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.schemas import JobSpec as JobRequest
+from scheduler_service.placement import lost_once_placed
 from scheduler_service.planning import JobModels, PlanningInput, live_knobs, read_snapshot
 from scheduler_service.settings import GreenflowConfig
 
@@ -320,8 +324,27 @@ class Admission:
         # A job its team's hard budget cannot pay for even alone: no plan would run it.
         if team is not None and (short := team_budget_refusal(problem, new_job, team)):
             return AdmissionResult(refused(new_job, short))
-        fast = admit_on_spare(problem, new_job, in_force, self._promises(), team=team)
-        return None if fast is None else AdmissionResult(*fast)
+        promises = self._promises()
+        fast = admit_on_spare(problem, new_job, in_force, promises, team=team)
+        if fast is None:
+            return None
+        if fast[0].guaranteed and not planning.nodes.pooled():
+            # The check pools the GPUs the plan leaves: it tells only where placement holds the
+            # deadline jobs' rows and the new job's (jobs without a deadline yield), else the
+            # solve's plan is placed (`placement.lost_once_placed`).
+            assert in_force is not None
+            rows: dict[str, tuple[int, ...]] = {"new": fast[1].over(problem, "new") or ()}
+            for job in problem.jobs:
+                # Each deadline job's row: the newest promise's, else the plan's (as the check).
+                for h in (*reversed(promises), in_force):
+                    row = h.over(problem, job.job_id) if job.deadline_s is not None else None
+                    if row is not None:
+                        rows[job.job_id] = row
+                        break
+            placed = _placer(planning, (*problem.jobs, new_job), request, promises, problem)
+            if placed(rows) != rows:
+                return None
+        return AdmissionResult(*fast)
 
     def _solve(
         self,
@@ -332,13 +355,19 @@ class Admission:
         planning: PlanningInput,
     ) -> AdmissionResult:
         """The full check: the loop's policy on the snapshot's problem with the new job, on
-        what the promises of jobs the snapshot does not list yet (committing) leave."""
+        what the promises of jobs the snapshot does not list yet (committing) leave, started
+        from the plan in force and the promises since (`in_force_plan`)."""
         config = self.config
         allowed = self._allowed(planning, request)
         if isinstance(allowed, AdmissionResult):
             return allowed
         new_job = self._new_job(planning, request, total_samples, allowed, now)
-        problem = without_held(planning.problem, unlisted_load(planning.problem, self._promises()))
+        promises = self._promises()
+        problem = without_held(planning.problem, unlisted_load(planning.problem, promises))
+        # The solve starts from the plan in force (and the promises since), moved to now: its
+        # deadlines are the ones to keep, and a cold start can lose some it meets.
+        in_force = self._in_force(session)
+        previous = None if in_force is None else in_force_plan(problem, (in_force, *promises))
         # The same policy as the control loop: admission promises what the loop will then plan.
         self.stats.solves += 1
         # Solve outside the request's transaction: everything it needs is read, nothing is
@@ -352,8 +381,22 @@ class Admission:
             time_limit_s=ADMISSION_TIME_LIMIT_S,
             seed=config.planner.seed,
             policy=get_policy(config.planner.policy),
+            previous=previous,
             team=self._team(request),
         )
+        if decision.guaranteed and decision.plan is not None and not planning.nodes.pooled():
+            trial = replace(problem, jobs=(*problem.jobs, new_job))
+            placed = _placer(planning, trial.jobs, request, self._promises(), problem)
+            lost = lost_once_placed(trial, decision.plan, {"new"}, placed)
+            if lost:
+                names = ", ".join("this job" if k == "new" else f"job {k}" for k in lost[:5])
+                decision = refused(
+                    new_job,
+                    "the plan cannot be placed on the cluster's nodes: placed slot by slot (a job"
+                    " spans only nodes whose agents advertised a rendezvous address, and its"
+                    f" tensor-parallel groups stay inside a node) it misses the deadline of {names}",
+                    decision.plan,
+                )
         held = None
         if decision.plan is not None and "new" in decision.plan.gpus:
             watts = dict(zip(new_job.allowed_gpus, new_job.power_w, strict=True))
@@ -476,6 +519,42 @@ class Admission:
         with self._reserved_lock:
             self._reserved = {k: r for k, r in self._reserved.items() if keep(k)}
             self._reserved_at = {k: t for k, t in self._reserved_at.items() if k in self._reserved}
+
+
+def _placer(
+    planning: PlanningInput,
+    jobs: Iterable[JobSpec],
+    request: JobRequest,
+    promises: Iterable[HeldGpus],
+    problem: AllocationProblem,
+) -> Callable[[dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]:
+    """Rows of counts per job (the new one "new") -> the counts they run placed slot by slot on
+    the snapshot's nodes (`NodeFacts.place_rows`), in the loop's order; the promises of jobs
+    `problem` does not list yet take their GPUs first."""
+    listed = {job.job_id for job in problem.jobs}
+    held = {
+        key: row
+        for h in promises
+        for key in h.gpus
+        if key not in listed and key != "new" and (row := h.over(problem, key)) is not None
+    }
+    ids = {key: -2 - i for i, key in enumerate(held)} | {"new": -1}
+    # Higher priority, then earlier deadline, then older first (`dispatch/service.decide`).
+    rank: dict[int, tuple[float, float, int]] = {i: (-math.inf, 0.0, i) for i in ids.values()}
+    assert request.deadline is not None
+    rank[-1] = (-request.priority, _aware(request.deadline).timestamp(), -1)
+    for key, job in planning.jobs.items():
+        ids[key] = job.job_id
+        due = _aware(job.deadline_at).timestamp() if job.deadline_at else math.inf
+        rank[job.job_id] = (-job.priority, due, job.job_id)
+    allowed = {ids[job.job_id]: job.allowed_gpus for job in jobs}
+
+    def placed(gpus: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        rows = {ids[k]: r for k, r in {**held, **gpus}.items()}
+        out = planning.nodes.place_rows(rows, allowed, sorted(rows, key=rank.__getitem__))
+        return {k: out[ids[k]] for k in gpus}
+
+    return placed
 
 
 def _rekeyed(held: HeldGpus, old: str, new: str) -> HeldGpus:

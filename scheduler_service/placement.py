@@ -12,8 +12,10 @@ gets a reason in `Placed.short`, which the caller records.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from scheduler_service.allocation.problem import AllocationPlan, AllocationProblem, evaluate_gpus
 
 Part = tuple[int, tuple[int, ...]]
 """(node id, slot indices on that node)."""
@@ -97,7 +99,8 @@ def place_jobs(
     """Placement for every job in `targets` (GPU counts), honouring `order` (most important first).
 
     A job keeps its node and the slots it holds, and grows on its own node first; a job that
-    must grow beyond its node moves (single-node) or adds parts on other nodes (`span_nodes`).
+    must grow beyond its node adds parts on other nodes (`span_nodes`, where its node may be
+    spanned), else stays on its node at the largest allowed count that node holds.
     A job without slots goes back to its `home` node (where its paused state lives in the
     agent's memory) when that node has room for it. `tp`: each job's tensor-parallel degree
     (default 1): every part holds a multiple of it. A count that cannot be placed is lowered
@@ -184,25 +187,93 @@ def place_plan(
     `place_jobs` on every slot in turn, each from where the slot before left the jobs."""
     rows: dict[int, list[int]] = {job_id: [] for job_id in gpus}
     homes = dict(home or {})
+    last: dict[int, int] | None = None
+    settled = False  # the last slot's placement left every job where it was
     for t in range(max((len(row) for row in gpus.values()), default=0)):
-        placed = place_jobs(
-            {job_id: row[t] for job_id, row in gpus.items()},
-            current,
-            nodes,
-            allowed,
-            order,
-            homes,
-            tp,
-            span_nodes,
-            spannable,
-        )
-        current = placed.placements
+        targets = {job_id: row[t] for job_id, row in gpus.items()}
+        if not (settled and targets == last):
+            # Else the same inputs as the slot before (targets, placements, homes): the same
+            # placement, not searched again (a plan's counts hold for long stretches).
+            before = current
+            current = place_jobs(
+                targets, current, nodes, allowed, order, homes, tp, span_nodes, spannable
+            ).placements
+            settled = t > 0 and targets == last and current == before
+        last = targets
         for job_id, row in rows.items():
             where = current.get(job_id, NOWHERE)
             row.append(where.gpus)
             if where.node_id is not None:
                 homes[job_id] = where.node_id
     return {job_id: tuple(row) for job_id, row in rows.items()}
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """The ready nodes as the loop places jobs on them (`dispatch/service.decide`): their slots,
+    the nodes a job may span, where each job holds slots now, and jobs' tensor-parallel degrees."""
+
+    nodes: tuple[NodeSlots, ...] = ()
+    spannable: frozenset[int] = frozenset()
+    current: Mapping[int, Placement] = field(default_factory=dict)
+    tp: Mapping[int, int] = field(default_factory=dict)
+
+    def pooled(self) -> bool:
+        """Whether placement holds every count that fits pooled capacity: one ready node, or
+        every ready node may be spanned, and no job with tensor-parallel groups."""
+        one_pool = len(self.nodes) <= 1 or all(n.node_id in self.spannable for n in self.nodes)
+        return one_pool and all(d <= 1 for d in self.tp.values())
+
+    def place_rows(
+        self,
+        gpus: Mapping[int, Sequence[int]],
+        allowed: Mapping[int, Sequence[int]],
+        order: Sequence[int],
+    ) -> dict[int, tuple[int, ...]]:
+        """`place_plan` of `gpus` from where the jobs are now, as the loop places them."""
+        return place_plan(
+            gpus,
+            {j: self.current.get(j, NOWHERE) for j in gpus},
+            self.nodes,
+            allowed,
+            order,
+            tp=self.tp,
+            span_nodes=True,
+            spannable=self.spannable,
+        )
+
+
+def lost_once_placed(
+    problem: AllocationProblem,
+    plan: AllocationPlan,
+    new_jobs: Collection[str],
+    placed: Callable[[dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]],
+) -> list[str]:
+    """Deadlines an admission plan meets on pooled capacity that it loses once placed (`placed`:
+    rows of counts per job -> the counts placement runs): a new job's, or another's that the
+    plan without the new jobs keeps placed."""
+    ids = {j.job_id for j in problem.jobs}
+    with_new = evaluate_gpus(problem, placed(dict(plan.gpus))).deadline_met
+    base = replace(problem, jobs=tuple(j for j in problem.jobs if j.job_id not in new_jobs))
+    without = evaluate_gpus(
+        base, placed({j: r for j, r in plan.gpus.items() if j not in new_jobs})
+    ).deadline_met
+    return sorted(
+        j
+        for j, met in plan.deadline_met.items()
+        if met
+        and j in ids
+        and not with_new.get(j, False)
+        and (j in new_jobs or without.get(j, False))
+    )
+
+
+def tp_degree(layout: str | None) -> int:
+    """The tensor-parallel degree of a layout label `dp{d}-tp{t}-pp{p}` (1 when unknown)."""
+    for part in (layout or "").split("-"):
+        if part.startswith("tp") and part[2:].isdigit():
+            return max(1, int(part[2:]))
+    return 1
 
 
 def _most_free(free: dict[int, list[int]], skip: set[int]) -> list[int]:

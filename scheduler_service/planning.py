@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from statistics import NormalDist
@@ -37,10 +37,11 @@ from scheduler_service.budget.ledger import (
     spent_team_queues,
     team_periods_for_horizon,
 )
-from scheduler_service.db.models import Job, Plan
+from scheduler_service.db.models import Job, Node, Plan
 from scheduler_service.jobs.repository import JobRepository, PlanRow
 from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
+from scheduler_service.placement import NodeFacts, NodeSlots, Placement, tp_degree
 from scheduler_service.settings import GreenflowConfig
 from scheduler_service.telemetry.repository import TelemetryRepository
 from scheduler_service.telemetry.service import total_samples_of
@@ -175,6 +176,8 @@ class PlanningInput:
     jobs: dict[str, PlannedJob]
     models: dict[str, JobModel]
     unplaceable: dict[int, str]
+    # The ready nodes as the loop places jobs on them: admission places its plan on them too.
+    nodes: NodeFacts = field(default_factory=NodeFacts)
 
 
 def slot_intensities(
@@ -268,6 +271,7 @@ class SnapshotRows:
     team_windows: tuple[tuple[str, frozenset[str], tuple[BudgetWindow, ...]], ...] = ()
     # GPUs of each ready node whose agent advertised an address the others reach.
     spannable_gpus: tuple[int, ...] = ()
+    nodes: NodeFacts = field(default_factory=NodeFacts)
 
 
 def read_snapshot(
@@ -362,6 +366,33 @@ def read_rows(
         frozenset(deprioritised),
         team_windows,
         spannable,
+        _node_facts(nodes, chosen),
+    )
+
+
+def _node_facts(
+    nodes: Sequence[Node], chosen: Sequence[tuple[PlanRow, tuple[int, ...], int]]
+) -> NodeFacts:
+    """The ready nodes (already read) as placement sees them: a job's own node is the one
+    holding most of its slots (the loop takes its newest command's node: one more query)."""
+    by_job: dict[int, dict[int, list[int]]] = {}
+    for node in nodes:
+        for slot in node.slots:
+            if slot.job_id is not None:
+                by_job.setdefault(slot.job_id, {}).setdefault(node.id, []).append(slot.index)
+    current = {}
+    for job_id, parts in by_job.items():
+        ordered = sorted(parts.items(), key=lambda p: (-len(p[1]), p[0]))
+        current[job_id] = Placement(
+            ordered[0][0],
+            tuple(sorted(ordered[0][1])),
+            tuple((n, tuple(sorted(ix))) for n, ix in ordered[1:]),
+        )
+    return NodeFacts(
+        nodes=tuple(NodeSlots(n.id, tuple(s.index for s in n.slots)) for n in nodes),
+        spannable=frozenset(n.id for n in nodes if n.rendezvous_host and n.worker_host_port),
+        current=current,
+        tp={job.id: d for job, _, _ in chosen if (d := tp_degree(job.current_layout)) > 1},
     )
 
 
@@ -414,7 +445,7 @@ def assemble_snapshot(
         ),
     )
     problem = build_problem(snapshot, live_knobs(config))
-    return PlanningInput(snapshot, problem, jobs, job_models, rows.unplaceable)
+    return PlanningInput(snapshot, problem, jobs, job_models, rows.unplaceable, rows.nodes)
 
 
 def _prior(

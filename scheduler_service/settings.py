@@ -94,9 +94,10 @@ class BudgetConfig(BaseModel):
     soft_price_s_per_kg: Annotated[float, Field(ge=0)] = 3600.0
     # Periods start at local midnight (Monday, the 1st) of this IANA time zone.
     time_zone: Annotated[str, AfterValidator(_valid_time_zone)] = "UTC"
-    # "carbon": periods run on the carbon clock, compressed like a replay's
-    # (`carbon.clock_speedup`; a day lasts 86,400 s / speedup), e.g. the demo's; "wall": on the
-    # wall clock whatever the replay's speed.
+    # "carbon": periods follow the calendar of the series a trace/synthetic replay plays,
+    # compressed like it (`carbon.clock_speedup`: a day lasts 86,400 s / speedup, a month its
+    # 28-31 series days; `budget/periods.py`, `ReplayClock`), e.g. the demo's; without a replay,
+    # the wall clock. "wall": on the wall clock whatever the replay's speed.
     period_clock: Literal["wall", "carbon"] = "wall"
     # Under a hard budget: the quantile the forecast (not yet measured) part of the slot about to
     # run is planned with. What that step spends is committed before the next plan can correct

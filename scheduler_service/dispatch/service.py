@@ -22,7 +22,7 @@ from scheduler_service.jobs.repository import JobRepository, PlanRow
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, transition
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.nodes.secrets import NodeSecrets
-from scheduler_service.placement import NOWHERE, NodeSlots, Placed, Placement, place_jobs
+from scheduler_service.placement import NOWHERE, NodeSlots, Placed, Placement, place_jobs, tp_degree
 from scheduler_service.planning import PlanningInput, plan_facts
 from scheduler_service.telemetry.service import total_samples_of
 from worker_agent.protocol import (
@@ -75,14 +75,6 @@ def _heard_within(node: Node, now: datetime, seconds: float) -> bool:
     if last.tzinfo is None:  # SQLite hands back naive UTC
         last = last.replace(tzinfo=UTC)
     return (now - last).total_seconds() <= seconds
-
-
-def tp_degree(layout: str | None) -> int:
-    """The tensor-parallel degree of a layout label `dp{d}-tp{t}-pp{p}` (1 when unknown)."""
-    for part in (layout or "").split("-"):
-        if part.startswith("tp") and part[2:].isdigit():
-            return max(1, int(part[2:]))
-    return 1
 
 
 def _pause_homes(

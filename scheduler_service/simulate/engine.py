@@ -40,7 +40,6 @@ from scheduler_service.allocation.problem import (
     AllocationProblem,
     BudgetMode,
     JobSpec,
-    evaluate_gpus,
 )
 from scheduler_service.allocation.snapshot import (
     BudgetWindow,
@@ -51,7 +50,14 @@ from scheduler_service.allocation.snapshot import (
     most_gpus_per_job,
     plan_job,
 )
-from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place_jobs, place_plan
+from scheduler_service.placement import (
+    NOWHERE,
+    NodeSlots,
+    Placement,
+    lost_once_placed,
+    place_jobs,
+    place_plan,
+)
 from scheduler_service.settings import ClusterConfig, PlannerConfig, default_budget_check_s
 from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 from scheduler_service.simulate.watchdog import RealisticWatchdog
@@ -492,20 +498,7 @@ class NodePlacer:
     ) -> list[str]:
         """Deadlines an admission plan meets on pooled capacity that placing it slot by slot on
         the nodes loses: a new job's, or another's that the plan without the new jobs keeps."""
-        ids = {j.job_id for j in problem.jobs}
-        with_new = evaluate_gpus(problem, self._placed(plan.gpus, states)).deadline_met
-        base = replace(problem, jobs=tuple(j for j in problem.jobs if j.job_id not in new_jobs))
-        without = evaluate_gpus(
-            base, self._placed({j: r for j, r in plan.gpus.items() if j not in new_jobs}, states)
-        ).deadline_met
-        return sorted(
-            j
-            for j, met in plan.deadline_met.items()
-            if met
-            and j in ids
-            and not with_new.get(j, False)
-            and (j in new_jobs or without.get(j, False))
-        )
+        return lost_once_placed(problem, plan, new_jobs, lambda gpus: self._placed(gpus, states))
 
     def _placed(
         self, gpus: dict[str, tuple[int, ...]], states: dict[str, _JobState]

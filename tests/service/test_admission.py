@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -33,7 +34,7 @@ from scheduler_service.auth.service import Principal, Role
 from scheduler_service.control_loop import ControlLoop
 from scheduler_service.db import migrate
 from scheduler_service.db.base import utcnow
-from scheduler_service.db.models import GpuSlot, Job, Node
+from scheduler_service.db.models import GpuSlot, Job, Node, Plan
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.exceptions import FieldError
 from scheduler_service.jobs import service
@@ -394,6 +395,87 @@ def test_a_deadline_job_larger_than_any_node_is_admitted_only_where_it_may_span(
                     transaction(factory) as session,
                 ):
                     service.submit_job(session, alice, request, _config(), admission)
+        finally:
+            engine.dispose()
+
+
+def test_a_deadline_is_refused_when_its_plan_cannot_be_placed_on_the_nodes(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # Two 4-GPU nodes, a deadline job running on 2 GPUs of each: 4 GPUs are free, 2 per node.
+    # Pooled capacity admits a 4-GPU deadline job; placed, it fits only across both nodes. With
+    # a plan in force the check on its spare GPUs says so too (pooled), then placement decides.
+    request = _request("four").model_copy(update={"min_gpus": 4, "max_gpus": 4})
+    for spannable, in_force in itertools.product((True, False), (False, True)):
+        engine = make_engine(database_url)
+        factory = make_session_factory(engine)
+        try:
+            with transaction(factory) as session:
+                session.execute(delete(GpuSlot))
+                session.execute(delete(Node))
+                session.execute(delete(Job))
+                session.execute(delete(Plan))
+            _two_nodes(factory, spannable=spannable)
+            now = utcnow()
+            with transaction(factory) as session:
+                running = []
+                for node in session.scalars(select(Node).order_by(Node.name)):
+                    # 10,000 s of work at 2 GPUs (the prior's 900 samples/s), due in 3 h.
+                    job = Job(
+                        owner="bob",
+                        name=f"on-{node.name}",
+                        workload="resnet50",
+                        global_batch_size=256,
+                        total_samples=9_000_000,
+                        min_gpus=2,
+                        max_gpus=2,
+                        current_gpus=2,
+                        deadline_at=now + timedelta(hours=3),
+                        state=JobState.RUNNING.value,
+                        state_reason="running",
+                        created_at=now,
+                        updated_at=now,
+                    )
+                    session.add(job)
+                    session.flush()
+                    running.append(job.id)
+                    for slot in session.scalars(
+                        select(GpuSlot).where(GpuSlot.node_id == node.id, GpuSlot.index < 2)
+                    ):
+                        slot.job_id = job.id
+                if in_force:
+                    session.add(
+                        Plan(
+                            start_at=now,
+                            slot_s=SLOT_S,
+                            policy="greenflow",
+                            status="feasible",
+                            gap=None,
+                            solve_s=0.0,
+                            energy_kwh=0.0,
+                            emissions_kg=0.0,
+                            gpus_by_job={str(j): [2] * 24 for j in running},
+                            slots=[],
+                        )
+                    )
+            admission = Admission(_config())
+            with transaction(factory) as session:
+                result = admission.check(session, request, 256_000, utcnow())
+            decision = result.decision
+            case = f"spannable={spannable} in_force={in_force}"
+            if spannable:
+                assert decision.admitted and decision.guaranteed, (case, decision.reason)
+                # On the plan in force the spare GPUs tell, without a solve.
+                assert admission.stats.solves == (0 if in_force else 1), case
+            else:
+                assert not decision.admitted and not decision.guaranteed, case
+                assert decision.reason.startswith(
+                    "rejected: the plan cannot be placed on the cluster's nodes:"
+                ), (case, decision.reason)
+                assert "this job" in decision.reason
+                # The plan it refuses is the one pooled capacity admits.
+                assert decision.plan is not None and decision.plan.deadline_met["new"], case
+                assert admission.stats.solves == 1, case
         finally:
             engine.dispose()
 

@@ -10,11 +10,12 @@ spanned (their agents reach each other).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from random import Random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.placement import NodeSlots, Placement, place_jobs
+from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place_jobs, place_plan
 
 
 @dataclass
@@ -166,3 +167,41 @@ def test_a_job_spans_only_nodes_that_may_be_spanned_and_else_takes_the_largest_n
     placed = place_jobs({7: 8}, {}, nodes, allowed, [7], span_nodes=True)
     assert placed.placements[7] == Placement(1, tuple(range(6)), ((2, (0, 1)),))
     assert placed.short == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases(), st.lists(st.integers(1, 4), min_size=1, max_size=6), st.randoms())
+def test_placing_a_plan_equals_placing_each_slot_in_turn(
+    case: Case, runs: list[int], rnd: Random
+) -> None:
+    # `place_plan` skips slots whose placement settled; it must give what a slot-by-slot loop
+    # gives. The plan: runs of equal slots (lengths `runs`), each of counts the jobs allow.
+    gpus: dict[int, list[int]] = {j: [] for j in case.targets}
+    for length in runs:
+        for j, row in gpus.items():
+            row.extend([rnd.choice([0, *case.allowed[j]])] * length)
+    plan = {j: tuple(row) for j, row in gpus.items()}
+    args = (case.allowed, case.order, None, case.tp, case.span_nodes, case.spannable)
+    current: dict[int, Placement] = dict(case.current)
+    homes: dict[int, int] = {}
+    expected: dict[int, list[int]] = {j: [] for j in plan}
+    for t in range(max((len(r) for r in plan.values()), default=0)):
+        current = place_jobs(
+            {j: r[t] for j, r in plan.items()},
+            current,
+            case.nodes,
+            case.allowed,
+            case.order,
+            homes,
+            case.tp,
+            case.span_nodes,
+            case.spannable,
+        ).placements
+        for j, row in expected.items():
+            where = current.get(j, NOWHERE)
+            row.append(where.gpus)
+            if where.node_id is not None:
+                homes[j] = where.node_id
+    assert place_plan(plan, case.current, case.nodes, *args) == {
+        j: tuple(r) for j, r in expected.items()
+    }
