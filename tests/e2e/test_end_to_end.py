@@ -37,19 +37,31 @@ DIRTY_G_PER_KWH = 5000.0
 CLEAN_G_PER_KWH = 5.0
 
 
-def write_hourly_trace(path: Path, intensity_at_hour: Callable[[int], float]) -> None:
-    """A 120-hour `time,intensity` trace; the replay starts at hour 60 (the provider keeps the
-    first half as the forecaster's history)."""
+def write_hourly_trace(
+    path: Path, intensity_at_hour: Callable[[int], float], hours: int = 120
+) -> None:
+    """An `hours`-hour `time,intensity` trace; the replay starts at hour `hours // 2` (the
+    provider keeps the first half as the forecaster's history)."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
     rows = ["time,intensity"]
-    for hour in range(120):
+    for hour in range(hours):
         rows.append(f"{(start + timedelta(hours=hour)).isoformat()},{intensity_at_hour(hour)}")
     path.write_text("\n".join(rows) + "\n")
 
 
 def _write_trace(path: Path) -> None:
-    # Hours 60-65 dirty (30 s), 66-115 clean (250 s), then dirty again.
-    write_hourly_trace(path, lambda hour: CLEAN_G_PER_KWH if 66 <= hour <= 115 else DIRTY_G_PER_KWH)
+    # From the replay's start: 6 hours dirty (30 s), then 150 clean (750 s), then dirty again.
+    # The clean window outlasts the test's waits, so a slow machine never sees it end: the
+    # jobs would sit paused for want of budget.
+    hours = 320
+    first_clean = hours // 2 + 6
+    write_hourly_trace(
+        path,
+        lambda hour: (
+            CLEAN_G_PER_KWH if first_clean <= hour < first_clean + 150 else DIRTY_G_PER_KWH
+        ),
+        hours,
+    )
 
 
 CONFIG = """\
