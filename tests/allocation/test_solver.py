@@ -205,20 +205,25 @@ def test_admission_does_not_let_the_carbon_price_decide_which_deadlines_can_be_m
         parked = {k: (0,) * p.num_slots if k == "new" else v for k, v in plan.gpus.items()}
         return make_plan(p, parked, status="heuristic", policy="parks", solve_s=0.0)
 
-    current = problem((job("a", 2.0),), carbon_price_s_per_kg=1e4)
-    decision = admit(current, job("new", 2.0, deadline_h=3.0), policy=parks_under_a_price)
+    # "a" (deadline 6 h) runs in the clean hours 2-3 of the plan in force, so the newcomer (all
+    # of hours 0-2 at 4 GPUs by 3 h) fits on no GPUs "a" leaves: no seeded plan. Only moving "a"
+    # to hours 3-4 keeps both, which the priced search misses.
+    current = problem((job("a", 7.0, deadline_h=6.0),), carbon_price_s_per_kg=1e4)
+    new = job("new", 10.5, deadline_h=3.0)
+    decision = admit(current, new, policy=parks_under_a_price)
     assert decision.admitted and decision.guaranteed
     assert decision.plan is not None and decision.plan.deadline_met["new"]
+    assert decision.plan.deadline_met["a"]
     assert "admission: found without the carbon price" in decision.plan.notes
-    trial = dataclasses.replace(current, jobs=(*current.jobs, job("new", 2.0, deadline_h=3.0)))
+    trial = dataclasses.replace(current, jobs=(*current.jobs, new))
     assert decision.plan.objective == pytest.approx(
         evaluate_gpus(trial, decision.plan.gpus).objective
     )
     # Without a price there is nothing to retry: the policy's own answer stands.
-    always_parks = problem((job("a", 2.0),))
+    always_parks = dataclasses.replace(current, carbon_price_s_per_kg=0.0)
     refused = admit(
         always_parks,
-        job("new", 2.0, deadline_h=3.0),
+        new,
         policy=lambda p, **kw: parks_under_a_price(
             dataclasses.replace(p, carbon_price_s_per_kg=1.0), **kw
         ),
