@@ -49,6 +49,7 @@ from tests.api.conftest import (  # noqa: F401
     postgres_server,
 )
 from tests.service.test_snapshot import _count_selects
+from tests.support.rows import add_node
 
 T0 = datetime(2026, 6, 1, 12, tzinfo=UTC)
 SLOT_S = 600.0
@@ -251,10 +252,7 @@ def test_a_burst_is_admitted_one_at_a_time_on_the_plan_in_force_without_a_solve(
     factory = make_session_factory(engine)
     config = _config()
     with transaction(factory) as session:
-        node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=utcnow())
-        session.add(node)
-        session.flush()
-        session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(8))
+        add_node(session, "n1", 8, last_heartbeat_at=utcnow())
     # Three long queued jobs of one GPU each, without deadlines: promises may take their GPUs.
     _queued(factory, 3, 0)
     loop = ControlLoop(config, factory, engine)
@@ -324,10 +322,7 @@ def test_a_full_solve_runs_outside_the_request_transaction(
     factory = make_session_factory(engine)
     config = _config()
     with transaction(factory) as session:
-        node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=utcnow())
-        session.add(node)
-        session.flush()
-        session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(8))
+        add_node(session, "n1", 8, last_heartbeat_at=utcnow())
     # No plan in force: the incremental check cannot tell, admission solves.
     admission = Admission(config)
     alice = Principal(name="alice", role=Role.USER, token_id="t")
@@ -357,16 +352,15 @@ def _two_nodes(factory: sessionmaker[Session], *, spannable: bool) -> None:
     """Nodes of 4 slots each; with `spannable`, each advertised a rendezvous address."""
     with transaction(factory) as session:
         for i in range(2):
-            node = Node(
-                name=f"n{i}",
+            add_node(
+                session,
+                f"n{i}",
+                4,
                 agent_url=f"http://127.0.0.1:{9 + i}",
                 last_heartbeat_at=utcnow(),
                 rendezvous_host=f"198.18.0.{2 + i}" if spannable else None,
                 worker_host_port=7000 + i if spannable else None,
             )
-            session.add(node)
-            session.flush()
-            session.add_all(GpuSlot(node_id=node.id, index=k) for k in range(4))
 
 
 def test_a_deadline_job_larger_than_any_node_is_admitted_only_where_it_may_span(
@@ -482,10 +476,7 @@ def test_a_deadline_is_refused_when_its_plan_cannot_be_placed_on_the_nodes(
 
 def _two_gpu_cluster(factory: sessionmaker[Session]) -> None:
     with transaction(factory) as session:
-        node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=utcnow())
-        session.add(node)
-        session.flush()
-        session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(2))
+        add_node(session, "n1", 2, last_heartbeat_at=utcnow())
 
 
 def _whole_cluster_request(name: str, queue: str = "default") -> JobRequest:

@@ -11,12 +11,13 @@ from sqlalchemy import select
 
 from scheduler_service.control_loop import ControlLoop
 from scheduler_service.db.base import utcnow
-from scheduler_service.db.models import Allocation, GpuSlot, Node
+from scheduler_service.db.models import Allocation, GpuSlot
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.jobs.states import JobState
 from tests.api.conftest import database_url, postgres_server  # noqa: F401
 from tests.api.test_read_queries import counted
 from tests.service.test_budget_watchdog import _add_job, _config
+from tests.support.rows import add_node
 
 
 def test_moved_jobs_hold_exactly_their_commanded_slots(
@@ -27,13 +28,7 @@ def test_moved_jobs_hold_exactly_their_commanded_slots(
     now = utcnow()
     with transaction(factory) as session:
         for name in ("a", "b"):
-            node = Node(
-                name=name, agent_url="http://127.0.0.1:9", state="ready",
-                last_heartbeat_at=now + timedelta(hours=1),
-            )  # fmt: skip
-            session.add(node)
-            session.flush()
-            session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(8))
+            add_node(session, name, 8, state="ready", last_heartbeat_at=now + timedelta(hours=1))
     # Deadlines close enough that the plan must give GPUs now (no waiting for greener hours).
     for i in range(6):
         _add_job(

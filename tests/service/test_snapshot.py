@@ -22,13 +22,14 @@ from scheduler_service.allocation.snapshot import (
     build_problem,
     plan_job,
 )
-from scheduler_service.db.models import GpuSlot, Job, Node, TelemetrySample
+from scheduler_service.db.models import Job, TelemetrySample
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.dispatch.service import planned_rows
 from scheduler_service.jobs.states import JobState
 from scheduler_service.planning import JobModels, read_snapshot
 from tests.api.conftest import database_url, postgres_server  # noqa: F401
 from tests.service.test_budget_watchdog import _add_job, _config
+from tests.support.rows import add_node
 
 NOW = datetime(2026, 6, 1, 12, tzinfo=UTC)
 
@@ -109,10 +110,7 @@ def test_the_snapshot_reads_jobs_and_their_telemetry_in_a_fixed_number_of_querie
     factory = make_session_factory(engine)
     config = _config(limit_kg=10.0)
     with transaction(factory) as session:
-        node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=NOW)
-        session.add(node)
-        session.flush()
-        session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(8))
+        add_node(session, "n1", 8, last_heartbeat_at=NOW)
 
     def add_jobs(count: int, first: int) -> list[int]:
         ids = []
@@ -192,10 +190,7 @@ def test_progress_between_snapshot_and_write_is_no_conflict_but_a_changed_state_
     factory = make_session_factory(engine)
     config = _config(limit_kg=10.0)
     with transaction(factory) as session:
-        node = Node(name="n1", agent_url="http://127.0.0.1:9", last_heartbeat_at=NOW)
-        session.add(node)
-        session.flush()
-        session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(8))
+        add_node(session, "n1", 8, last_heartbeat_at=NOW)
     job_id = _add_job(
         factory,
         name="a",

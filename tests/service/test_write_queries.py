@@ -12,12 +12,13 @@ from sqlalchemy import event, func, select
 
 from scheduler_service.control_loop import ControlLoop
 from scheduler_service.db.base import utcnow
-from scheduler_service.db.models import Allocation, GpuSlot, Job, JobEvent, Node
+from scheduler_service.db.models import Allocation, Job, JobEvent
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.jobs.states import JobState
 from tests.api.conftest import database_url, postgres_server  # noqa: F401
 from tests.api.test_read_queries import counted
 from tests.service.test_budget_watchdog import _add_job, _config
+from tests.support.rows import add_node
 
 
 def test_the_write_step_loads_only_the_jobs_it_writes_and_its_statements_stay_flat(
@@ -27,13 +28,7 @@ def test_the_write_step_loads_only_the_jobs_it_writes_and_its_statements_stay_fl
     factory = make_session_factory(engine)
     now = utcnow()
     with transaction(factory) as session:
-        node = Node(
-            name="n1", agent_url="http://127.0.0.1:9", state="ready",
-            last_heartbeat_at=now + timedelta(hours=1),
-        )  # fmt: skip
-        session.add(node)
-        session.flush()
-        session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(8))
+        add_node(session, "n1", 8, state="ready", last_heartbeat_at=now + timedelta(hours=1))
     loop = ControlLoop(_config(limit_kg=1000.0), factory, engine)
 
     async def forecast() -> Any:
