@@ -190,6 +190,7 @@ async def woken_tick(base_url: str, token: str, jobs: int, timeout_s: float) -> 
         "tick_s": now[f"{LOOP}_last_tick_duration_seconds"],
         "jobs_planned": int(now[f"{LOOP}_last_tick_jobs_planned"]),
         **{f"{name}_s": value for name, value in phase.items()},
+        "solve_cpu_s": now.get(f"{LOOP}_last_solve_cpu_seconds"),
         "api_p99_ms": percentile_ms(latencies, 99),
         "api_requests": len(latencies),
     }
@@ -322,7 +323,14 @@ def run_case(args: argparse.Namespace, jobs: int, nodes: int, gpus: int) -> dict
             "tick_s": round(last["tick_s"], 3),
             **{
                 key: None if last[key] is None else round(last[key], 3)
-                for key in ("snapshot_s", "models_s", "solve_s", "write_s", "dispatch_s")
+                for key in (
+                    "snapshot_s",
+                    "models_s",
+                    "solve_s",
+                    "solve_cpu_s",
+                    "write_s",
+                    "dispatch_s",
+                )
             },
             "command_rtt_s": rtt,
             "api_p99_ms": last["api_p99_ms"],
