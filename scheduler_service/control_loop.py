@@ -487,7 +487,7 @@ class ControlLoop:
         if plan is None:
             return
         repo = AllocationRepository(session)
-        repo.add_plan(plan_row(plan, planning.problem, degraded))
+        repo.add_plan(plan_row(plan, planning.problem, degraded), plan.gpus, plan.missed_reasons)
         repo.prune_plans(PLANS_KEPT)
         changed = dispatch.decide(
             session,

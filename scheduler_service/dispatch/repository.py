@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, cast
 
 from sqlalchemy import Select, Table, delete, func, insert, select
@@ -107,23 +107,25 @@ class AllocationRepository:
         stmt = select(Allocation).where(Allocation.id.in_(sorted(allocation_ids)))
         return {a.id: a for a in self.session.scalars(stmt)}
 
-    def add_plan(self, plan: Plan) -> None:
-        """Store a plan with its per-slot totals, and its per-job rows in one executemany."""
-        self.session.add(index_totals(plan))
+    def add_plan(
+        self,
+        plan: Plan,
+        gpus_by_job: Mapping[str, Sequence[int]],
+        deadline_misses: Mapping[str, str],
+    ) -> None:
+        """Store a plan with its per-slot totals, and its per-job rows (the only copy of its
+        GPUs per job and slot) in one executemany."""
+        self.session.add(index_totals(plan, gpus_by_job))
         self.session.flush()
-        values = plan_job_values(plan.gpus_by_job or {}, plan.deadline_misses or {})
+        values = plan_job_values(gpus_by_job, deadline_misses)
         if values:
             # Plain rows, not one `PlanJob` object per job: at 5,000 jobs building and flushing
             # those was a second of every tick.
             rows = [{**row, "plan_id": plan.id} for row in values]
             self.session.execute(insert(cast(Table, PlanJob.__table__)), rows)
 
-    def latest_plan(self) -> Plan | None:
-        """The current plan, all of it."""
-        return self.session.scalar(select(Plan).order_by(Plan.id.desc()).limit(1))
-
     def latest_plan_header(self) -> Plan | None:
-        """The current plan without its bulk JSON (reading those columns raises)."""
+        """The current plan without its per-slot JSON (reading `slots` raises)."""
         stmt = (
             select(Plan)
             .options(*(defer(column, raiseload=True) for column in PLAN_BULK_COLUMNS))
