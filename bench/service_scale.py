@@ -137,21 +137,28 @@ async def submit_many(base_url: str, token: str, count: int, concurrency: int = 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def read_while(base_url: str, token: str, done: asyncio.Event) -> list[float]:
-    """Latencies (s) of `GET /v1/jobs?limit=50`, 4 in flight, until `done` is set."""
+async def read_while(base_url: str, token: str, done: asyncio.Event) -> tuple[list[float], int]:
+    """Latencies (s) of `GET /v1/jobs?limit=50`, 4 in flight, until `done` is set; and how many
+    requests lost their connection (asked again: one such drop under load ended a whole run)."""
     headers = {"Authorization": f"Bearer {token}"}
     latencies: list[float] = []
+    dropped = 0
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
 
         async def worker() -> None:
+            nonlocal dropped
             while not done.is_set():
                 began = time.perf_counter()
-                response = await client.get("/v1/jobs", params={"limit": 50}, headers=headers)
+                try:
+                    response = await client.get("/v1/jobs", params={"limit": 50}, headers=headers)
+                except httpx.TransportError:
+                    dropped += 1
+                    continue
                 response.raise_for_status()
                 latencies.append(time.perf_counter() - began)
 
         await asyncio.gather(*(worker() for _ in range(4)))
-    return latencies
+    return latencies, dropped
 
 
 async def woken_tick(base_url: str, token: str, jobs: int, timeout_s: float) -> dict[str, Any]:
@@ -181,7 +188,7 @@ async def woken_tick(base_url: str, token: str, jobs: int, timeout_s: float) -> 
             raise TimeoutError(f"no tick within {timeout_s} s")
         await asyncio.sleep(0.2)
     done.set()
-    latencies = await reader
+    latencies, dropped = await reader
     phase = {
         name: now.get(f'{LOOP}_last_tick_phase_seconds{{phase="{name}"}}')
         for name in ("snapshot", "models", "solve", "write", "dispatch")
@@ -193,6 +200,7 @@ async def woken_tick(base_url: str, token: str, jobs: int, timeout_s: float) -> 
         "solve_cpu_s": now.get(f"{LOOP}_last_solve_cpu_seconds"),
         "api_p99_ms": percentile_ms(latencies, 99),
         "api_requests": len(latencies),
+        "api_dropped": dropped,
     }
 
 
