@@ -64,6 +64,37 @@ class AllocationRepository:
         """The newest command (or newest acknowledged one) of each job, in one query."""
         return {a.job_id: a for a in self.session.scalars(self._newest(job_ids, acked=acked))}
 
+    def newest_and_newest_acked(
+        self, job_ids: Collection[int]
+    ) -> tuple[dict[int, Allocation], dict[int, Allocation]]:
+        """The newest command and the newest acknowledged one of each job, in one query (the
+        same object where the newest is acknowledged)."""
+        if not job_ids:
+            return {}, {}
+        top = (
+            select(
+                Allocation.job_id,
+                func.max(Allocation.generation).label("newest"),
+                func.max(Allocation.generation).filter(Allocation.status == "acked").label("acked"),
+            )
+            .where(Allocation.job_id.in_(list(job_ids)))
+            .group_by(Allocation.job_id)
+            .subquery()
+        )
+        stmt = select(Allocation, top.c.newest, top.c.acked).join(
+            top,
+            (Allocation.job_id == top.c.job_id)
+            & ((Allocation.generation == top.c.newest) | (Allocation.generation == top.c.acked)),
+        )
+        newest: dict[int, Allocation] = {}
+        acked: dict[int, Allocation] = {}
+        for allocation, newest_generation, acked_generation in self.session.execute(stmt):
+            if allocation.generation == newest_generation:
+                newest[allocation.job_id] = allocation
+            if allocation.generation == acked_generation:
+                acked[allocation.job_id] = allocation
+        return newest, acked
+
     def newest_running_of_jobs_in(self, states: Collection[str]) -> list[Allocation]:
         """Newest commands that give GPUs to jobs in `states` (e.g. finished jobs still running)."""
         stmt = (

@@ -86,6 +86,16 @@ def test_newest_commands_slots_and_stops_of_finished_jobs(database_url: str) -> 
         assert set(acked) == {ids["running"], ids["paused"]}
         assert acked[ids["running"]].generation == 1
         assert (acked[ids["paused"]].generation, acked[ids["paused"]].gpus) == (2, 0)
+        # Both in one query: the same rows.
+        every = sorted(ids.values())
+        both = repo.newest_and_newest_acked(every)
+        assert {j: a.generation for j, a in both[0].items()} == {
+            j: newest[j].generation for j in every
+        }
+        assert {j: a.generation for j, a in both[1].items()} == {
+            j: a.generation for j, a in repo.newest_by_job(every, acked=True).items()
+        }
+        assert both[1][ids["running"]].generation == 1 and both[0][ids["running"]].generation == 2
         slots = NodeRepository(session).slots_of_jobs([ids["running"], ids["paused"]])
         assert list(slots) == [ids["running"]]
         assert [s.index for s in slots[ids["running"]]] == [0, 1]
