@@ -63,6 +63,10 @@ def _solve(
     return plan, time.process_time() - began_s
 
 
+class SolverClosed(RuntimeError):
+    """The solver's worker process was closed (the control loop is stopping)."""
+
+
 class SolverProcess:
     """Solves with one policy in a worker process (thread-safe; one solve at a time)."""
 
@@ -70,10 +74,15 @@ class SolverProcess:
         get_policy(policy_name)  # an unknown name fails here, not at the first tick
         self.policy_name = policy_name
         self._pool: ProcessPoolExecutor | None = None
+        self._closed = False
         self._lock = threading.Lock()
 
     def _executor(self) -> ProcessPoolExecutor:
         with self._lock:
+            # Closed stays closed: a warm-up or solve still running in a thread when the loop
+            # stopped would otherwise start a worker nobody ends.
+            if self._closed:
+                raise SolverClosed("the solver's worker process is closed")
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(
                     max_workers=1,
@@ -84,8 +93,13 @@ class SolverProcess:
             return self._pool
 
     def warm_up(self) -> None:
-        """Start the worker and load the solver's libraries in it (between ticks)."""
-        self._executor().submit(_import_solver).result()
+        """Start the worker and load the solver's libraries in it (between ticks); nothing once
+        closed."""
+        try:
+            self._executor().submit(_import_solver).result()
+        except RuntimeError:  # closed meanwhile (a shut-down pool refuses work)
+            if not self._closed:
+                raise
 
     def solve(
         self,
@@ -115,5 +129,6 @@ class SolverProcess:
         """End the worker (a solve in progress is abandoned)."""
         with self._lock:
             pool, self._pool = self._pool, None
+            self._closed = True
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -11,7 +11,7 @@ from concurrent.futures.process import BrokenProcessPool
 import pytest
 
 from scheduler_service.allocation.policies import get_policy
-from scheduler_service.solver_process import SolverProcess
+from scheduler_service.solver_process import SolverClosed, SolverProcess
 from tests.allocation.test_solver import job, problem
 
 
@@ -45,3 +45,14 @@ def test_the_worker_plans_what_the_policy_plans_in_process_and_survives_its_deat
         assert again.gpus == here.gpus
     finally:
         solver.close()
+
+
+def test_a_closed_solver_starts_no_worker() -> None:
+    solver = SolverProcess("greenflow")
+    solver.close()
+    # A warm-up still running in a thread when the loop stopped does nothing; a solve refuses.
+    solver.warm_up()
+    assert solver._pool is None
+    with pytest.raises(SolverClosed):
+        solver.solve(problem((job("a", 1.0),)), None, 1.0, 0)
+    assert solver._pool is None
