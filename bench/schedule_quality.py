@@ -18,7 +18,7 @@ target of issue 21 as {"figure", "upper_bound", "goal", "met"}:
 - carbon_at_same_deadline_ratio: 1 - kg of the cleanest GreenFlow run (any price) meeting at
   least carbon-agnostic's deadline ratio / carbon-agnostic's kg; upper_bound: no policy meeting
   the deadlines carbon-agnostic meets can save more (bench/bounds/carbon.py: an LP over counts x
-  hour pieces of each job's window with the cluster's capacity); goal 0.8 x the bound.
+  intensity-step pieces of each job's window with the cluster's capacity); goal 0.8 x the bound.
 - jct_vs_lagrangian_bound: GreenFlow's capped average JCT / a lower bound on any schedule's
   under the same budget (the higher of bench/bounds/fluid.py and bench/bounds/lagrangian.py);
   upper_bound here is the best any schedule could show, 1.0; goal 1.10 (lower is better).

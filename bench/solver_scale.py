@@ -29,6 +29,10 @@ timed solve. Figures:
   met (the bound keeps them as constraints).
 - `steps_ran` / `plan_step`: the solver's steps that ran and the one whose plan it returned
   (`+repair`/`+polish` when those improved it).
+- `--step-shares`: per case and time limit, over `--ticks` ticks, `plan_origin` (and its
+  `plan_origin_share`) counts the step each returned plan came from; `ortools_share` the share
+  from the OR-Tools model (LP roundings, MIPs; refined or not), `ortools_or_seeded_share` also
+  counting ticks that kept such a plan through the warm start (`plan_root`: each tick's root).
 - `--baseline-wins N`: on N random problems under budgets, how often the plan `solve` returns is
   a baseline's (they are candidates), and how often solving without them is worse or better.
 Usage:
@@ -298,6 +302,17 @@ def mip_check(
 ORTOOLS_STEPS = ("lp_ceil", "lp_nearest", "near_mip", "exact_mip")
 
 
+def plan_roots(chosen: list[str]) -> list[str]:
+    """Per tick, the step the plan descends from: a plan that is the previous tick's plan kept
+    (`warm_start`, refined or not) descends from whatever that plan descended from, so an
+    OR-Tools plan carried over by the warm start still counts as seeded by the model."""
+    roots: list[str] = []
+    for step in chosen:
+        origin = step.split("+")[0]
+        roots.append(roots[-1] if origin == "warm_start" and roots else origin)
+    return roots
+
+
 def step_shares(
     num_jobs: int,
     gpus: int,
@@ -308,8 +323,9 @@ def step_shares(
     work_h: tuple[float, float] = WORK_H,
 ) -> dict[str, object]:
     """Which step produced the plan over `ticks` ticks (cold, then warm one slot later each),
-    the share whose plan came from the OR-Tools model (`ORTOOLS_STEPS`, refined or not) and the
-    gap to the LP bound of each tick (LP solved untimed)."""
+    the share whose plan came from the OR-Tools model (`ORTOOLS_STEPS`, refined or not), the
+    share that came from it or from its plan kept by the warm start (`plan_roots`), and the gap
+    to the LP bound of each tick (LP solved untimed)."""
     rng = np.random.default_rng(seed)
     problem = AllocationProblem(
         start_at=datetime(2021, 1, 1, tzinfo=UTC),
@@ -339,13 +355,18 @@ def step_shares(
         if not problem.jobs:
             break
     ortools = sum(n for k, n in origins.items() if k in ORTOOLS_STEPS)
+    roots = plan_roots(chosen)
+    seeded = sum(1 for r in roots if r in ORTOOLS_STEPS)
     return {
         "jobs": num_jobs,
         "gpus": gpus,
         "time_limit_s": time_limit_s,
         "ticks": len(chosen),
         "ortools_share": round(ortools / len(chosen), 3),
+        "ortools_or_seeded_share": round(seeded / len(chosen), 3),
         "plan_origin": dict(sorted(origins.items())),
+        "plan_origin_share": {k: round(n / len(chosen), 3) for k, n in sorted(origins.items())},
+        "plan_root": roots,
         "plan_step": chosen,
         "gap_mean": round(statistics.fmean(gaps), 5),
         "gap_max": round(max(gaps), 5),

@@ -5,9 +5,12 @@ meeting the deadlines carbon-agnostic meets can save more against it than
 1 - least_kg / carbon-agnostic's kg.
 
 The relaxation, checked against `engine.simulate_trace`'s semantics (unlimited budget, PUE 1):
-time is cut at every job's submission and deadline and at every hour mark (the intensity series
-is hourly steps), so each piece p has one intensity. y[j, c, p] >= 0: seconds job j runs at
-allowed count c inside piece p, for the jobs whose deadlines are met.
+time is cut at every job's submission and deadline and at every step of the intensity series
+(where `CarbonClock` maps it onto trace time, wrapping as the replay does), so each piece p has
+one intensity. y[j, c, p] >= 0: seconds job j runs at allowed count c inside piece p, for the
+jobs whose deadlines are met. Each piece is valued at the series' own intensity then, however far
+past any planning horizon it lies: a 13-day window is valued day by day, not at some horizon's
+cleanest hour (which would make the figure a bound on nothing the replay charges).
 - sum_c y[j, c, p] <= len_p, only pieces inside [submission, deadline] (a job runs at one count
   at a time, after it joined);
 - sum_(c, p) rate_c y[j, c, p] / work_j >= 1 (a switch stall makes no progress: real <= nominal);
@@ -56,6 +59,15 @@ class CarbonBound:
     variables: int
 
 
+def step_marks_s(clock: CarbonClock, start_s: float, end_s: float) -> np.ndarray:
+    """Trace times strictly inside (start_s, end_s) where the clock's intensity may change:
+    every step of its series, repeated each time the series wraps."""
+    offsets = clock.step_offsets_s
+    first, last = int(start_s // clock.span_s), int(end_s // clock.span_s)
+    times = np.concatenate([k * clock.span_s + offsets for k in range(first, last + 1)])
+    return times[(times > start_s) & (times < end_s)]
+
+
 def least_kg_meeting(
     jobs: list[TraceJob],
     met_ids: Collection[str],
@@ -77,7 +89,7 @@ def least_kg_meeting(
     for job in due:
         assert job.deadline_s is not None
         marks |= {job.submission_s, job.deadline_s}
-        marks |= set(np.arange((job.submission_s // 3600 + 1) * 3600, job.deadline_s, 3600.0))
+        marks |= set(step_marks_s(clock, job.submission_s, job.deadline_s).tolist())
     edges = sorted(marks)
     pieces = [(a, b) for a, b in itertools.pairwise(edges) if b > a + 1e-9]
     lengths = np.array([b - a for a, b in pieces])

@@ -7,7 +7,7 @@ timezone-aware UTC datetime so plans can be mapped back to wall-clock time.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -58,6 +58,10 @@ class JobSpec:
     requested_gpus: int = 0  # the count a fixed-size policy runs it at (0 = largest allowed)
     # It ran before the problem's start: resuming it from 0 GPUs stalls it like a count change.
     started: bool = False
+    # Seconds `deadline_s` lies before the promised deadline (the builder's margin): a finish
+    # inside it misses `deadline_s` but keeps the promise, so it costs far less than a finish
+    # after the promise (`evaluate_gpus`).
+    deadline_margin_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.allowed_gpus)
@@ -78,6 +82,8 @@ class JobSpec:
             raise InvalidProblem(f"job {self.job_id}: remaining_samples must be > 0")
         if self.priority <= 0:
             raise InvalidProblem(f"job {self.job_id}: priority must be > 0")
+        if not (self.deadline_margin_s >= 0 and math.isfinite(self.deadline_margin_s)):
+            raise InvalidProblem(f"job {self.job_id}: deadline_margin_s must be >= 0")
         if self.current_gpus != 0 and self.current_gpus not in self.allowed_gpus:
             raise InvalidProblem(
                 f"job {self.job_id}: current_gpus {self.current_gpus} is not an allowed count"
@@ -219,6 +225,22 @@ class AllocationProblem:
         impossible = sum(1 for job in self.jobs if self.deadline_impossible(job))
         return self.deadline_miss_cost_s() * impossible if impossible else 0.0
 
+    def certain_break_cost_s(self) -> float:
+        """What every plan pays beyond `certain_miss_cost_s` for promises no plan can keep (the
+        models and their bounds count a miss once, `evaluate_gpus` a broken promise more)."""
+        extra = self.margin_jobs()
+        if not extra:
+            return 0.0
+        broken = sum(
+            1
+            for job in self.jobs
+            if job.deadline_s is not None
+            and self.deadline_impossible(
+                replace(job, deadline_s=job.deadline_s + job.deadline_margin_s)
+            )
+        )
+        return self.deadline_miss_cost_s() * extra * broken if broken else 0.0
+
     def usable_max_rate(self, job: JobSpec) -> float:
         """Fastest samples/s over the job's counts that fit the largest slot capacity."""
         cap = max(self.capacity_gpus)
@@ -249,6 +271,12 @@ class AllocationProblem:
         rate_kg_per_s = last.budget_left_kg / length_s
         # A budget left of a few denormal kg divides to 0.0: as spent as a budget of 0.
         return rate_kg_per_s if rate_kg_per_s > 0 else None
+
+    def margin_jobs(self) -> int:
+        """Jobs whose `deadline_s` lies a margin before the promised deadline."""
+        return sum(
+            1 for job in self.jobs if job.deadline_s is not None and job.deadline_margin_s > 0
+        )
 
     def deadline_miss_cost_s(self) -> float:
         """Weight of one missed deadline: above any other objective term, so misses come first."""
@@ -510,24 +538,36 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     met: dict[str, bool] = {}
     unfinished: dict[str, float] = {}
     misses = 0
+    broken = 0  # misses of the promised deadline itself (past the margin too)
+    margin_jobs = 0  # `problem.margin_jobs()`, counted in the loop below
     horizon_s = problem.horizon_s
+
+    def meets(i: int, job: JobSpec, finish: float | None, deadline_s: float) -> bool:
+        if finish is not None or deadline_s < horizon_s:
+            return finish is not None and finish <= deadline_s + 1e-6
+        # Past the horizon the job may run at full speed until its deadline (after a switch to
+        # it, unless it runs at it in the last slot).
+        after_s = deadline_s - horizon_s
+        if rate[i, -1] != arrays.max_throughput[i] and (job.started or on[i].any()):
+            after_s -= problem.switch_stall_s
+        return bool(
+            done[i] + arrays.max_throughput[i] * after_s >= job.remaining_samples * (1 - 1e-9)
+        )
+
     for i, job in enumerate(problem.jobs):
         finish = None if not finished[i] else float(finish_s[i])
         completion[job.job_id] = finish
         unfinished[job.job_id] = float(unfinished_area[i])
         if job.deadline_s is not None:
-            ok = finish is not None and finish <= job.deadline_s + 1e-6
-            if finish is None and job.deadline_s >= horizon_s:
-                # Past the horizon the job may run at full speed until its deadline (after a
-                # switch to it, unless it runs at it in the last slot).
-                after_s = job.deadline_s - horizon_s
-                if rate[i, -1] != arrays.max_throughput[i] and (job.started or on[i].any()):
-                    after_s -= problem.switch_stall_s
-                ok = done[i] + arrays.max_throughput[i] * after_s >= job.remaining_samples * (
-                    1 - 1e-9
-                )
-            met[job.job_id] = bool(ok)
-            misses += 0 if ok else 1
+            ok = meets(i, job, finish, job.deadline_s)
+            met[job.job_id] = ok
+            margin_jobs += job.deadline_margin_s > 0
+            if not ok:
+                misses += 1
+                if job.deadline_margin_s <= 0 or not meets(
+                    i, job, finish, job.deadline_s + job.deadline_margin_s
+                ):
+                    broken += 1
     capacity_ok = bool(np.all(used <= np.asarray(problem.capacity_gpus)))
     budget_ok = True
     if problem.budget_mode is BudgetMode.HARD:
@@ -536,8 +576,10 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
                 budget_ok = False
     if problem.team_budgets and not within_team_budgets(problem, power):
         budget_ok = False
+    miss_cost_s = problem.deadline_miss_cost_s()
     objective = (
-        problem.deadline_miss_cost_s() * misses
+        miss_cost_s * misses
+        + miss_cost_s * margin_jobs * broken
         + weighted_s
         + problem.carbon_price_s_per_kg * (float(emissions.sum()) + leftover_kg)
         + problem.change_cost_s * changes
@@ -641,6 +683,8 @@ def relative_gap(problem: AllocationProblem, objective: float, bound: float) -> 
     deadlines the bound keeps has a large gap, never a small one.
     """
     base = bound - problem.certain_miss_cost_s()
+    # The bound counts each miss once; a promise no plan keeps costs every plan more.
+    bound += problem.certain_break_cost_s()
     return max(0.0, objective - bound) / max(abs(base), 1e-9)
 
 

@@ -119,10 +119,12 @@ class ProblemKnobs:
 def plan_job(job: PlannableJob, knobs: ProblemKnobs) -> JobSpec:
     """The solver's view of one job under the builder's rules (module docstring)."""
     deadline = job.deadline_s
+    margin_s = 0.0
     if deadline is not None and knobs.deadline_margin_s > 0:
         fastest_s = job.remaining_samples / max(job.throughput_samples_per_s)
         if deadline - knobs.deadline_margin_s >= fastest_s:
-            deadline -= knobs.deadline_margin_s
+            margin_s = knobs.deadline_margin_s
+            deadline -= margin_s
     return JobSpec(
         job_id=job.job_id,
         allowed_gpus=job.allowed_gpus,
@@ -135,6 +137,7 @@ def plan_job(job: PlannableJob, knobs: ProblemKnobs) -> JobSpec:
         best_effort=job.best_effort,
         requested_gpus=job.requested_gpus,
         started=job.started,
+        deadline_margin_s=margin_s,
     )
 
 

@@ -19,8 +19,8 @@ ONE_GPU = {"toy": ScalingProfile("toy", {32: {1: 10.0}})}
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
-def clock(values: list[float]) -> CarbonClock:
-    times = tuple(T0 + timedelta(hours=i) for i in range(len(values)))
+def clock(values: list[float], step_min: int = 60) -> CarbonClock:
+    times = tuple(T0 + timedelta(minutes=step_min * i) for i in range(len(values)))
     return CarbonClock(IntensitySeries(times, tuple(values), source="test"), pue=1.0)
 
 
@@ -60,6 +60,29 @@ def test_jobs_share_the_clean_hour_on_a_small_cluster() -> None:
     assert least_kg_meeting(jobs, ["a"], two_hours, ONE_GPU, 1).kg == pytest.approx(
         kg(watts, 1.0, 100.0), rel=1e-6
     )
+
+
+def test_work_past_any_planning_horizon_is_valued_at_its_own_hour() -> None:
+    # Three days, one clean hour on the third: a job free to finish then is priced there, not
+    # at the cleanest hour of the first day (what a 24 h planner's tail would assume).
+    values = [300.0] * 72
+    values[5] = 200.0  # the first day's cleanest hour
+    values[60] = 50.0
+    three_days = clock(values)
+    late = job("a", 1.0, 72.0)
+    watts = job_tables(late, ONE_GPU, 1).power_w[0]
+    bound = least_kg_meeting([late], ["a"], three_days, ONE_GPU, 1)
+    assert bound.kg == pytest.approx(kg(watts, 1.0, 50.0), rel=1e-6)
+
+
+def test_steps_shorter_than_an_hour_get_their_own_pieces() -> None:
+    # 30-minute steps: the clean half hour is worth its own intensity. Pieces cut only at hour
+    # marks would average it with its dirty neighbour (300 g/kWh) and overstate the least kg.
+    half_hours = clock([500.0, 100.0, 500.0, 500.0, 500.0], step_min=30)
+    short = job("a", 0.5, 2.0)
+    watts = job_tables(short, ONE_GPU, 1).power_w[0]
+    bound = least_kg_meeting([short], ["a"], half_hours, ONE_GPU, 1)
+    assert bound.kg == pytest.approx(kg(watts, 0.5, 100.0), rel=1e-6)
 
 
 @pytest.mark.skipif(not (DATA / "elasticflow").is_dir(), reason="shared benchmark data absent")

@@ -90,6 +90,29 @@ def test_switch_stalls_do_not_break_a_promise(shared_data: Path) -> None:
     assert _broken(report) == []
 
 
+def test_a_high_carbon_price_does_not_trade_a_promise_for_two_margins(shared_data: Path) -> None:
+    # 200,000 s/kg on CAISO carbon, 900 s slots, the quality bench's 96-slot horizon and 0.5 s:
+    # before a broken promise cost more than a finish inside the 60 s margin, a tick traded the
+    # plan in force (3dba6da8 and ffa361be 4 s and 1 s inside their margins) for one dropping
+    # bf8e8bfa, which then finished 640.7 s late here (main at 357088c; 1,899 s on [:40]).
+    jobs = load_trace(shared_data / "elasticflow" / "itp" / "cluster01.csv", limit=20)
+    series = load_intensity_csv(
+        shared_data / "carbon" / "electricitymaps" / "US-CAL-CISO_2021_hourly.csv"
+    )
+    config = SimulationConfig(
+        policy="greenflow",
+        num_nodes=2,
+        gpus_per_node=8,
+        horizon_slots=96,
+        carbon_price_s_per_kg=200_000.0,
+        time_limit_s=0.5,
+    )
+    profiles = load_scaling_profiles(shared_data / "elasticflow" / "throughputs_A100")
+    report = simulate_trace(jobs, series, profiles, config)
+    assert report.admitted > 0
+    assert _broken(report) == []
+
+
 def test_synthetic_multi_day_deadlines_are_kept(shared_data: Path) -> None:
     profiles = load_scaling_profiles(shared_data / "elasticflow" / "throughputs_T4")
     jobs = generate(profiles, 8, seed=0, span_h=12.0, long_share=0.5, max_gpus=4)
