@@ -3,7 +3,8 @@
 Replays the first --jobs jobs of every ITP trace in ../shared/data/elasticflow/itp (A100
 profiles, --cluster) and a seeded synthetic trace of long jobs with multi-day deadlines
 (bench/long_deadline_trace.py, T4 profiles, --synthetic-cluster), at each --slots slot length,
-with and without --elasticflow-events, no carbon limit, exact models and forecast (or with
+with and without --elasticflow-events, no carbon limit (--carbon-price prices each kg in the
+plans' objective, 0 by default), exact models and forecast (or with
 --model-error / --forecast-error: then promises may break, and the figures say how often). The
 horizon is `greenflow simulate`'s default for the trace and slot (cli.auto_horizon_slots). Cases
 run in order (synthetic first, then the traces, the longer slot first) until --budget-s of wall
@@ -13,15 +14,15 @@ service's placement, jobs may span every node) and/or "nodes:S" (only the first 
 spanned; nodes:0, every job inside one node), and reports what placement lowered (issue 20).
 
 Prints {"cases": [{"trace", "jobs", "slot_s", "elasticflow_events", "horizon_slots",
-"beyond_horizon", "policy", "placement", "admitted", "deadline_jobs", "met", "admitted_missed",
-"lateness_sum_s", "lateness_max_s", "missed", "placement_lowered", "placement_lowered_jobs",
-"admitted_missed_lowered", "jobs_spanning_nodes", "wall_s"}], "skipped", "settings"}; "missed"
-lists (job_id, lateness_s) of each broken promise.
+"beyond_horizon", "policy", "placement", "carbon_price_s_per_kg", "admitted", "deadline_jobs",
+"met", "admitted_missed", "lateness_sum_s", "lateness_max_s", "missed", "placement_lowered",
+"placement_lowered_jobs", "admitted_missed_lowered", "jobs_spanning_nodes", "wall_s"}],
+"skipped", "settings"}; "missed" lists (job_id, lateness_s) of each broken promise.
 
 Usage:
-    nice -n 10 python -m bench.admission_promise [--data DIR] [--jobs 40] [--slots 900,60]
+    nice -n 10 python -m bench.admission_promise [--data DIR] [--jobs 40 (0: none)] [--slots 900,60]
         [--traces cluster01,...] [--synthetic-jobs 40] [--budget-s 1800]
-        [--placements pooled,nodes,nodes:0]
+        [--placements pooled,nodes,nodes:0] [--carbon-price 200000]
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def run_case(
     model_error: float = 0.0,
     forecast_error: float = 0.0,
     placement: str = "pooled",
+    carbon_price_s_per_kg: float = 0.0,
 ) -> dict[str, Any]:
     """One replay's promise figures."""
     mode, _, spannable = placement.partition(":")
@@ -72,6 +74,7 @@ def run_case(
         time_limit_s=time_limit_s,
         model_error=model_error,
         forecast_error=forecast_error,
+        carbon_price_s_per_kg=carbon_price_s_per_kg,
         placement="nodes" if mode == "nodes" else "pooled",
         spannable_nodes=int(spannable) if spannable else None,
     )
@@ -92,6 +95,7 @@ def run_case(
         "placement": report.placement,
         "model_error": model_error,
         "forecast_error": forecast_error,
+        "carbon_price_s_per_kg": carbon_price_s_per_kg,
         "admitted": report.admitted,
         "deadline_jobs": report.deadline_jobs,
         "met": sum(1 for o in report.outcomes if o.deadline_met),
@@ -120,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the cases within the wall-time budget and print the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--jobs", type=int, default=40, help="first N jobs of each ITP trace")
+    parser.add_argument(
+        "--jobs", type=int, default=40, help="first N jobs of each ITP trace (0: no ITP trace)"
+    )
     parser.add_argument("--traces", default="", help="ITP traces (default: all, smallest first)")
     parser.add_argument("--slots", default="900,60")
     parser.add_argument("--events", default="off,on", help="--elasticflow-events off, on or both")
@@ -130,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--synthetic-cluster", default="4x4")
     parser.add_argument("--carbon", default="ES_2021")
     parser.add_argument("--time-limit-s", type=float, default=0.5)
+    parser.add_argument(
+        "--carbon-price", type=float, default=0.0, help="s of weighted JCT per kg (soft trade-off)"
+    )
     parser.add_argument("--budget-s", type=float, default=1800.0)
     parser.add_argument(
         "--model-error", type=float, default=0.0, help="relative std of each job's model error"
@@ -155,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     itp = ef / "itp"
     names = (
-        [n for n in args.traces.split(",") if n]
+        []
+        if args.jobs <= 0
+        else [n for n in args.traces.split(",") if n]
         if args.traces
         else [p.stem for p in sorted(itp.glob("*.csv"), key=lambda p: p.stat().st_size)]
     )
@@ -214,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.model_error,
                             args.forecast_error,
                             placement,
+                            args.carbon_price,
                         )
                         cases.append(case)
                         print(json.dumps(case), file=sys.stderr, flush=True)
@@ -229,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                     "synthetic_cluster": args.synthetic_cluster,
                     "carbon": args.carbon,
                     "time_limit_s": args.time_limit_s,
+                    "carbon_price_s_per_kg": args.carbon_price,
                     "model_error": args.model_error,
                     "forecast_error": args.forecast_error,
                     "placements": placements,

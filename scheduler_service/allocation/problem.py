@@ -539,6 +539,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     unfinished: dict[str, float] = {}
     misses = 0
     broken = 0  # misses of the promised deadline itself (past the margin too)
+    margin_jobs = 0  # `problem.margin_jobs()`, counted in the loop below
     horizon_s = problem.horizon_s
 
     def meets(i: int, job: JobSpec, finish: float | None, deadline_s: float) -> bool:
@@ -560,6 +561,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         if job.deadline_s is not None:
             ok = meets(i, job, finish, job.deadline_s)
             met[job.job_id] = ok
+            margin_jobs += job.deadline_margin_s > 0
             if not ok:
                 misses += 1
                 if job.deadline_margin_s <= 0 or not meets(
@@ -577,7 +579,7 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     miss_cost_s = problem.deadline_miss_cost_s()
     objective = (
         miss_cost_s * misses
-        + (miss_cost_s * problem.margin_jobs() * broken if broken else 0.0)
+        + miss_cost_s * margin_jobs * broken
         + weighted_s
         + problem.carbon_price_s_per_kg * (float(emissions.sum()) + leftover_kg)
         + problem.change_cost_s * changes
