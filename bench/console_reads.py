@@ -112,10 +112,10 @@ def seed(engine: Engine, n_jobs: int, now: datetime) -> tuple[str, int]:
                 solve_s=1.0,
                 energy_kwh=1.0,
                 emissions_kg=0.1,
-                gpus_by_job={str(j): [j % 3] * SLOTS for j in unfinished},
                 slots=[{"capacity_gpus": 2048, "intensity_g_per_kwh": 200.0}] * SLOTS,
-                deadline_misses={str(j): "not enough GPUs" for j in unfinished if j % 100 == 50},
-            )
+            ),
+            {str(j): [j % 3] * SLOTS for j in unfinished},
+            {str(j): "not enough GPUs" for j in unfinished if j % 100 == 50},
         )
     return token, jobs[0][0]
 

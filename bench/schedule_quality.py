@@ -104,7 +104,9 @@ def figures(report: SimulationReport, wall_s: float) -> dict[str, Any]:
         "budget_violations": report.budget_violations,
         "admitted_missed": report.admitted_missed,
         "placement_lowered": report.placement_lowered,
+        "placement_moves": report.placement_moves,
         "admitted_missed_lowered": report.admitted_missed_lowered,
+        "switch_cost": report.switch_cost,
         "solver_s_mean": round(report.solver_s_mean, 4),
         "wall_s": round(wall_s, 1),
     }

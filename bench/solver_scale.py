@@ -32,7 +32,8 @@ timed solve. Figures:
 - `--step-shares`: per case and time limit, over `--ticks` ticks, `plan_origin` (and its
   `plan_origin_share`) counts the step each returned plan came from; `ortools_share` the share
   from the OR-Tools model (LP roundings, MIPs; refined or not), `ortools_or_seeded_share` also
-  counting ticks that kept such a plan through the warm start (`plan_root`: each tick's root).
+  counting ticks that kept such a plan through the warm start (`plan_root`: each tick's root),
+  `ortools_ran_share` the share of ticks whose step budget ran the model at all.
 - `--baseline-wins N`: on N random problems under budgets, how often the plan `solve` returns is
   a baseline's (they are candidates), and how often solving without them is worse or better.
 Usage:
@@ -339,6 +340,7 @@ def step_shares(
     chosen: list[str] = []
     gaps: list[float] = []
     solve_s: list[float] = []
+    model_ran = 0  # ticks in which the OR-Tools model (the LP, hence its roundings) was solved
     for _ in range(ticks):
         began = time.perf_counter()
         result = solve_with_baselines(
@@ -348,6 +350,7 @@ def step_shares(
         lp = solve_lp(problem, PlanArrays(problem))
         gaps.append(relative_gap(problem, result.plan.objective, lp.bound))
         chosen.append(result.chosen)
+        model_ran += "lp" in result.ran
         origin = result.chosen.split("+")[0]
         origins[origin] = origins.get(origin, 0) + 1
         previous = result.plan
@@ -364,6 +367,8 @@ def step_shares(
         "ticks": len(chosen),
         "ortools_share": round(ortools / len(chosen), 3),
         "ortools_or_seeded_share": round(seeded / len(chosen), 3),
+        # The model can only win where the step budget let it run.
+        "ortools_ran_share": round(model_ran / len(chosen), 3),
         "plan_origin": dict(sorted(origins.items())),
         "plan_origin_share": {k: round(n / len(chosen), 3) for k, n in sorted(origins.items())},
         "plan_root": roots,

@@ -38,6 +38,7 @@ from scheduler_service.allocation.snapshot import PlannableJob, plan_job
 from scheduler_service.carbon.repository import CarbonRepository
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import CarbonForecastRecord
+from scheduler_service.dispatch.plans import plan_contents
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.schemas import JobSpec as JobRequest
 from scheduler_service.placement import lost_once_placed
@@ -497,16 +498,14 @@ class Admission:
                 held = HeldGpus(plan.start_at, plan.slot_s, dict(plan.gpus))
                 self._in_force_cache = (plan, held)
         else:
-            row = AllocationRepository(session).latest_plan()
-            held = (
-                None
-                if row is None
-                else HeldGpus(
-                    _aware(row.start_at),
-                    row.slot_s,
-                    {k: tuple(v) for k, v in (row.gpus_by_job or {}).items()},
+            repo = AllocationRepository(session)
+            row = repo.latest_plan_header()
+            held = None
+            if row is not None:
+                counts, _ = plan_contents(repo.plan_jobs(row.id), row.num_slots)
+                held = HeldGpus(
+                    _aware(row.start_at), row.slot_s, {k: tuple(v) for k, v in counts.items()}
                 )
-            )
         if held is not None:
             # Kept until a plan in force has the promised job in it: a plan that starts after
             # the promise may come from a snapshot read before the job committed.

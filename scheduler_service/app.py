@@ -115,7 +115,13 @@ def create_app(settings: Settings, config: GreenflowConfig) -> FastAPI:
     session_factory = make_session_factory(engine)
     node_secrets = load_node_secrets(settings)
     loop: ControlLoop | None = (
-        ControlLoop(config, session_factory, engine, node_secrets=node_secrets)
+        ControlLoop(
+            config,
+            session_factory,
+            engine,
+            node_secrets=node_secrets,
+            solver_process=config.planner.solver_process,
+        )
         if settings.run_control_loop
         else None
     )

@@ -121,6 +121,13 @@ class ControlLoopCollector(Collector):
                 "Time the policy took to make the last plan",
                 value=report.plan_solve_s,
             )
+        if report.solve_cpu_s is not None:
+            yield GaugeMetricFamily(
+                f"{prefix}_last_solve_cpu_seconds",
+                "CPU seconds of the last tick's solve (its wall time is the solve phase's): what "
+                "the solver's step budget sized, apart from how loaded the machine was",
+                value=report.solve_cpu_s,
+            )
 
 
 def make_registry(

@@ -8,12 +8,19 @@ that may be spanned (`spannable`: their agents advertised an address the others 
 Without it, or beyond what those nodes hold, a count that fits on no node is lowered to the
 largest allowed count that does. Either way, every job placed with fewer GPUs than its target
 gets a reason in `Placed.short`, which the caller records.
+
+With `move_jobs`, a job that would be placed short because the free GPUs are scattered over
+nodes gets a node made whole for it instead: it moves to a node with room, or jobs inside one
+node move, whole and at their counts, off a node onto others' free GPUs (fewest jobs moved, then
+fewest GPUs; the job's own node first). Each move is in `Placed.moved` with its reason: it costs
+the moved job a switch across nodes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import combinations
 
 from scheduler_service.allocation.problem import AllocationPlan, AllocationProblem, evaluate_gpus
 
@@ -63,6 +70,8 @@ class Placed:
 
     placements: dict[int, Placement] = field(default_factory=dict)
     short: dict[int, str] = field(default_factory=dict)
+    # Jobs moved whole to another node to make room for another job (`move_jobs`), and why.
+    moved: dict[int, str] = field(default_factory=dict)
 
 
 def _from_parts(parts: Sequence[Part]) -> Placement:
@@ -95,6 +104,7 @@ def place_jobs(
     tp: Mapping[int, int] | None = None,
     span_nodes: bool = False,
     spannable: Collection[int] | None = None,
+    move_jobs: bool = False,
 ) -> Placed:
     """Placement for every job in `targets` (GPU counts), honouring `order` (most important first).
 
@@ -106,8 +116,10 @@ def place_jobs(
     (default 1): every part holds a multiple of it. A count that cannot be placed is lowered
     to the largest allowed count that can (possibly 0), with the reason in `short`.
     `spannable`: the nodes a job may span (their agents reach each other; None: every node);
-    a job inside one node may sit on any node.
+    a job inside one node may sit on any node. `move_jobs`: a job that would be placed short
+    gets a node made whole for it by moving jobs (`_make_room`), recorded in `moved`.
     """
+    capacity = {n.node_id: len(n.slot_indices) for n in nodes}
     span_ok = set(spannable) if spannable is not None else {n.node_id for n in nodes}
     free: dict[int, list[int]] = {n.node_id: sorted(n.slot_indices) for n in nodes}
     tp = tp or {}
@@ -156,6 +168,8 @@ def place_jobs(
             {g for g in allowed.get(job_id, (target,)) if 0 < g <= target}, reverse=True
         ) or ([target] if target else [])
         mine = held.get(job_id)
+        # The free slots before this job took any: where moving jobs starts from.
+        before = {n: list(s) for n, s in free.items()} if move_jobs else None
         if mine is not None:
             placement, why = _grow(mine, target, counts, step, free, span_nodes, span_ok)
         else:
@@ -166,6 +180,10 @@ def place_jobs(
                 out.placements[job_id] = Placement(home_id, taken)
                 continue
             placement, why = _place_new(target, counts, step, free, span_nodes, span_ok)
+        if before is not None and placement.gpus < target:
+            made = _make_room(job_id, target, mine, before, capacity, out, held)
+            if made is not None:
+                free, placement = before, made
         out.placements[job_id] = placement
         if placement.gpus < target:
             out.short[job_id] = f"{target} GPUs asked, {placement.gpus} placed: {why}"
@@ -182,6 +200,7 @@ def place_plan(
     tp: Mapping[int, int] | None = None,
     span_nodes: bool = False,
     spannable: Collection[int] | None = None,
+    move_jobs: bool = False,
 ) -> dict[int, tuple[int, ...]]:
     """The GPU counts each slot of a plan (`gpus`: counts per job and slot) runs at once placed:
     `place_jobs` on every slot in turn, each from where the slot before left the jobs."""
@@ -196,7 +215,7 @@ def place_plan(
             # placement, not searched again (a plan's counts hold for long stretches).
             before = current
             current = place_jobs(
-                targets, current, nodes, allowed, order, homes, tp, span_nodes, spannable
+                targets, current, nodes, allowed, order, homes, tp, span_nodes, spannable, move_jobs
             ).placements
             settled = t > 0 and targets == last and current == before
         last = targets
@@ -366,6 +385,146 @@ def _place_new(
             del free[n][:take]
             left -= take
     return _from_parts(parts), _why_spanning(avail, step)
+
+
+# Bounds on the search for jobs to move: the jobs looked at (those on the nodes with the most
+# free GPUs first), the most moved for one job, and the sets of jobs tried.
+MOVE_CANDIDATES = 12
+MOVE_MOST_JOBS = 4
+MOVE_SETS = 1_000
+
+
+def _make_room(
+    job_id: int,
+    target: int,
+    mine: list[Part] | None,
+    free: dict[int, list[int]],
+    capacity: Mapping[int, int],
+    out: Placed,
+    held: dict[int, list[Part]],
+) -> Placement | None:
+    """`job_id` whole on one node at `target` GPUs, made room for by moving jobs, or None.
+
+    `free` is as before the job took any slots. Jobs inside one node may move whole, at the
+    counts they have now, to other nodes; the job itself may leave its node. The search takes
+    the fewest jobs moved (up to `MOVE_MOST_JOBS`), then the fewest GPUs moved, the job's own
+    node first; it is exact within those bounds (every set of jobs, every packing). On success
+    `free`, `out` (placements, `moved`) and `held` are updated; else nothing is.
+    """
+    if mine is not None and len(mine) > 1:
+        return None  # a job across nodes grows by spanning, not by moving others
+    if max(capacity.values(), default=0) < target:
+        return None
+    own, own_slots = mine[0] if mine else (None, ())
+    # Jobs inside one node, where they sit now in this pass (placed already, or held).
+    inside: dict[int, Part] = {}
+    # A job moves at most once a pass.
+    for other, where in out.placements.items():
+        if other not in (job_id, *out.moved) and where.node_id is not None and not where.others:
+            inside[other] = (where.node_id, where.slot_indices)
+    for other, parts in held.items():
+        if other not in (job_id, *out.moved, *out.placements) and len(parts) == 1:
+            inside[other] = parts[0]
+    rooms = {n: len(s) for n, s in free.items()}
+    if own is not None:
+        rooms[own] += len(own_slots)  # the job's own slots are room for it wherever it goes
+    candidates = sorted(
+        inside, key=lambda k: (-rooms[inside[k][0]], inside[k][0], len(inside[k][1]), k)
+    )[:MOVE_CANDIDATES]
+    sizes = {k: len(inside[k][1]) for k in candidates}
+    tried = 0
+    for count in range(min(MOVE_MOST_JOBS, len(candidates)) + 1):
+        for subset in sorted(
+            combinations(candidates, count), key=lambda c: (sum(sizes[k] for k in c), c)
+        ):
+            tried += 1
+            if tried > MOVE_SETS:
+                return None
+            left = dict(rooms)
+            for k in subset:
+                left[inside[k][0]] += sizes[k]
+            for node in sorted(left, key=lambda n: (n != own, left[n], n)):
+                if left[node] < target or capacity[node] < target:
+                    continue
+                left[node] -= target
+                fit = _pack({k: sizes[k] for k in subset}, left, {k: inside[k][0] for k in subset})
+                left[node] += target
+                if fit is not None:
+                    return _apply_moves(
+                        job_id, target, own, own_slots, node, fit, inside, free, out, held
+                    )
+    return None
+
+
+def _apply_moves(
+    job_id: int,
+    target: int,
+    own: int | None,
+    own_slots: tuple[int, ...],
+    node: int,
+    fit: dict[int, int],
+    inside: dict[int, Part],
+    free: dict[int, list[int]],
+    out: Placed,
+    held: dict[int, list[Part]],
+) -> Placement:
+    """Move the jobs of `fit` (job -> node) and place `job_id` on `node` (`_make_room`)."""
+    for other in fit:
+        at, slots = inside[other]
+        free[at] = sorted([*free[at], *slots])
+    kept = own_slots if node == own else ()
+    if own is not None and node != own:
+        free[own] = sorted([*free[own], *own_slots])
+        out.moved[job_id] = f"moved from node {own} to node {node}, where {target} GPUs fit"
+    added = tuple(free[node][: target - len(kept)])
+    del free[node][: target - len(kept)]
+    for other, to in fit.items():
+        at, slots = inside[other]
+        taken = tuple(free[to][: len(slots)])
+        del free[to][: len(slots)]
+        if other in out.placements:
+            out.placements[other] = Placement(to, taken)
+        else:
+            held[other] = [(to, taken)]
+        if other not in held:
+            continue  # not running before this pass: placed elsewhere, not moved
+        out.moved[other] = (
+            f"moved whole from node {at} to node {to} to make room for job {job_id}'s "
+            f"{target} GPUs on node {node}"
+        )
+    return Placement(node, tuple(sorted(kept + added)))
+
+
+def _pack(
+    sizes: dict[int, int], rooms: dict[int, int], away: Mapping[int, int]
+) -> dict[int, int] | None:
+    """Each job (GPUs) onto one node with room other than `away[job]`, all at once (exact,
+    largest first), or None."""
+    items = sorted(sizes, key=lambda j: (-sizes[j], j))
+    left = dict(rooms)
+    where: dict[int, int] = {}
+
+    def fill(i: int) -> bool:
+        if i == len(items):
+            return True
+        job = items[i]
+        later = {away[j] for j in items[i + 1 :]}
+        seen: set[tuple[int, int | None]] = set()
+        # Best fit first; two nodes with the same room left are the same choice unless a later
+        # job may not go to one of them.
+        for node in sorted(left, key=lambda n: (left[n], n)):
+            same = (left[node], node if node in later else None)
+            if node == away[job] or left[node] < sizes[job] or same in seen:
+                continue
+            seen.add(same)
+            left[node] -= sizes[job]
+            where[job] = node
+            if fill(i + 1):
+                return True
+            left[node] += sizes[job]
+        return False
+
+    return where if fill(0) else None
 
 
 def _why_one_node(target: int, most: int) -> str:

@@ -459,7 +459,8 @@ def _prior(
 
 
 def plan_row(plan: AllocationPlan, problem: AllocationProblem, degraded: bool) -> Plan:
-    """The Plan row that records a solver result."""
+    """The Plan row that records a solver result (without its per-job rows: `add_plan` stores
+    `plan.gpus` and `plan.missed_reasons` as those)."""
     return Plan(
         start_at=plan.start_at,
         slot_s=plan.slot_s,
@@ -470,7 +471,6 @@ def plan_row(plan: AllocationPlan, problem: AllocationProblem, degraded: bool) -
         energy_kwh=plan.energy_kwh,
         emissions_kg=plan.emissions_kg,
         forecast_degraded=degraded,
-        gpus_by_job={job_id: list(counts) for job_id, counts in plan.gpus.items()},
         slots=[
             {
                 "capacity_gpus": problem.capacity_gpus[t],
@@ -480,5 +480,4 @@ def plan_row(plan: AllocationPlan, problem: AllocationProblem, degraded: bool) -
             }
             for t in range(problem.num_slots)
         ],
-        deadline_misses=dict(plan.missed_reasons),
     )

@@ -164,6 +164,9 @@ class PlannerConfig(BaseModel):
     # The allocation policy the control loop and admission both use (names of POLICIES).
     policy: PolicyName = "greenflow"
     seed: int = 0
+    # `greenflow serve` solves in a worker process: a solve of seconds then neither waits for
+    # the API's threads (one GIL) nor stalls them. False: in the control loop's own thread.
+    solver_process: bool = True
 
     def budget_check_s(self) -> float:
         """Seconds between the loop's intensity samples and budget checks."""

@@ -19,8 +19,9 @@ if [ "$#" -eq 0 ]; then
   # On their own, so the log says how many ran and, where namespaces cannot be made, why not.
   echo "== pytest: multi-node (network namespaces, veth links)"
   pytest -q -p no:cacheprovider -rs tests/multinode
-  echo "== pytest"
-  pytest -q -p no:cacheprovider --ignore=tests/multinode
+  echo "== pytest (${GREENFLOW_TEST_WORKERS:-2} processes)"
+  pytest -q -p no:cacheprovider -n "${GREENFLOW_TEST_WORKERS:-2}" --dist loadfile \
+    --durations=15 --ignore=tests/multinode
 else
   echo "== pytest"
   pytest -q -p no:cacheprovider "$@"

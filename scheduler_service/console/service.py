@@ -30,6 +30,7 @@ from scheduler_service.db.models import (
     Node,
     Plan,
 )
+from scheduler_service.dispatch.plans import padded
 from scheduler_service.jobs.logs import LogSource, LogsUnavailable, fetch_chunk, fetch_curve
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState
 from scheduler_service.settings import GreenflowConfig
@@ -748,7 +749,7 @@ def job_page(session: Session, job: Job, now: datetime) -> JobPage:
     gpu_lines = [(ChartSeries("GPUs", "GPUs", [], "gpus", "--chart-1", step=True), gpu_points)]
     planned_row = repo.plan_job(plan.id, job.id) if plan is not None else None
     planned = (
-        planned_gpus(plan, planned_row.gpus, one_job=True)
+        planned_gpus(plan, padded(planned_row.gpus, plan.num_slots), one_job=True)
         if plan is not None and planned_row is not None
         else []
     )

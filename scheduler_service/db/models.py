@@ -387,13 +387,10 @@ class Plan(Base):
     energy_kwh: Mapped[float]
     emissions_kg: Mapped[float]
     forecast_degraded: Mapped[bool] = mapped_column(default=False)
-    # {"<job id>": [gpus per slot, ...]}
-    gpus_by_job: Mapped[dict[str, list[int]]] = mapped_column(JSON)
     # [{"capacity_gpus", "intensity_g_per_kwh", "energy_kwh", "emissions_kg"}, ...] per slot
     slots: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
-    # {"<job id>": "reason"} for jobs whose deadline the plan cannot meet
-    deadline_misses: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
-    # Readers use these and `jobs` instead of the JSON above, which grows with jobs x slots.
+    # The GPUs per job and slot and the deadline misses are stored once, in `jobs` (plan_jobs):
+    # stored here as well, as JSON, they were a second copy of 1.4 M counts a tick at 5,000 jobs.
     num_slots: Mapped[int] = mapped_column(default=0, server_default="0")
     # GPUs planned per slot, summed over jobs
     total_gpus: Mapped[list[int]] = mapped_column(JSON, default=list)
@@ -404,7 +401,10 @@ class Plan(Base):
 
 
 class PlanJob(Base):
-    """One job's part of a plan: its GPUs per slot and why its deadline is missed (if it is)."""
+    """One job's part of a plan: its GPUs per slot and why its deadline is missed (if it is).
+
+    `gpus` ends at the job's last planned GPU (trailing zeros are not stored: most of 5,000
+    queued jobs are planned none); `dispatch.plans.padded` gives it the plan's length back."""
 
     __tablename__ = "plan_jobs"
 

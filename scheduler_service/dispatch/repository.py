@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, cast
 
 from sqlalchemy import Select, Table, delete, func, insert, select
@@ -64,6 +64,37 @@ class AllocationRepository:
         """The newest command (or newest acknowledged one) of each job, in one query."""
         return {a.job_id: a for a in self.session.scalars(self._newest(job_ids, acked=acked))}
 
+    def newest_and_newest_acked(
+        self, job_ids: Collection[int]
+    ) -> tuple[dict[int, Allocation], dict[int, Allocation]]:
+        """The newest command and the newest acknowledged one of each job, in one query (the
+        same object where the newest is acknowledged)."""
+        if not job_ids:
+            return {}, {}
+        top = (
+            select(
+                Allocation.job_id,
+                func.max(Allocation.generation).label("newest"),
+                func.max(Allocation.generation).filter(Allocation.status == "acked").label("acked"),
+            )
+            .where(Allocation.job_id.in_(list(job_ids)))
+            .group_by(Allocation.job_id)
+            .subquery()
+        )
+        stmt = select(Allocation, top.c.newest, top.c.acked).join(
+            top,
+            (Allocation.job_id == top.c.job_id)
+            & ((Allocation.generation == top.c.newest) | (Allocation.generation == top.c.acked)),
+        )
+        newest: dict[int, Allocation] = {}
+        acked: dict[int, Allocation] = {}
+        for allocation, newest_generation, acked_generation in self.session.execute(stmt):
+            if allocation.generation == newest_generation:
+                newest[allocation.job_id] = allocation
+            if allocation.generation == acked_generation:
+                acked[allocation.job_id] = allocation
+        return newest, acked
+
     def newest_running_of_jobs_in(self, states: Collection[str]) -> list[Allocation]:
         """Newest commands that give GPUs to jobs in `states` (e.g. finished jobs still running)."""
         stmt = (
@@ -107,23 +138,25 @@ class AllocationRepository:
         stmt = select(Allocation).where(Allocation.id.in_(sorted(allocation_ids)))
         return {a.id: a for a in self.session.scalars(stmt)}
 
-    def add_plan(self, plan: Plan) -> None:
-        """Store a plan with its per-slot totals, and its per-job rows in one executemany."""
-        self.session.add(index_totals(plan))
+    def add_plan(
+        self,
+        plan: Plan,
+        gpus_by_job: Mapping[str, Sequence[int]],
+        deadline_misses: Mapping[str, str],
+    ) -> None:
+        """Store a plan with its per-slot totals, and its per-job rows (the only copy of its
+        GPUs per job and slot) in one executemany."""
+        self.session.add(index_totals(plan, gpus_by_job))
         self.session.flush()
-        values = plan_job_values(plan.gpus_by_job or {}, plan.deadline_misses or {})
+        values = plan_job_values(gpus_by_job, deadline_misses)
         if values:
             # Plain rows, not one `PlanJob` object per job: at 5,000 jobs building and flushing
             # those was a second of every tick.
             rows = [{**row, "plan_id": plan.id} for row in values]
             self.session.execute(insert(cast(Table, PlanJob.__table__)), rows)
 
-    def latest_plan(self) -> Plan | None:
-        """The current plan, all of it."""
-        return self.session.scalar(select(Plan).order_by(Plan.id.desc()).limit(1))
-
     def latest_plan_header(self) -> Plan | None:
-        """The current plan without its bulk JSON (reading those columns raises)."""
+        """The current plan without its per-slot JSON (reading `slots` raises)."""
         stmt = (
             select(Plan)
             .options(*(defer(column, raiseload=True) for column in PLAN_BULK_COLUMNS))

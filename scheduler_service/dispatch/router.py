@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel
 
 from scheduler_service.deps import SessionDep, UserOrOperator
+from scheduler_service.dispatch.plans import plan_contents
 from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.exceptions import error_responses
 
@@ -45,12 +46,8 @@ def current_plan(
 ) -> PlanOut:
     """The current plan (users see only their own jobs' rows)."""
     repo = AllocationRepository(session)
-    if caller.is_operator and job is None:
-        plan = repo.latest_plan()
-        if plan is None:
-            raise HTTPException(404, detail=NO_PLAN)
-        return PlanOut.model_validate(plan, from_attributes=True)
-    # One job's or one user's rows: read from plan_jobs, without parsing the whole plan.
+    # The plan's GPUs per job and slot are stored only as per-job rows: one job's or one
+    # user's are read without the others'.
     header = repo.latest_plan_header()
     if header is None:
         raise HTTPException(404, detail=NO_PLAN)
@@ -59,6 +56,7 @@ def current_plan(
         job_ids=[job] if job is not None else None,
         owner=None if caller.is_operator else caller.name,
     )
+    gpus_by_job, deadline_misses = plan_contents(rows, header.num_slots)
     return PlanOut(
         created_at=header.created_at,
         start_at=header.start_at,
@@ -70,9 +68,7 @@ def current_plan(
         energy_kwh=header.energy_kwh,
         emissions_kg=header.emissions_kg,
         forecast_degraded=header.forecast_degraded,
-        gpus_by_job={str(r.job_id): r.gpus for r in rows if r.gpus},
+        gpus_by_job=gpus_by_job,
         slots=repo.plan_slots(header.id),
-        deadline_misses={
-            str(r.job_id): r.deadline_miss for r in rows if r.deadline_miss is not None
-        },
+        deadline_misses=deadline_misses,
     )

@@ -7,10 +7,12 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Row, Table, func, insert, select
+from sqlalchemy import CursorResult, Row, Table, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
 
 from scheduler_service.db.models import Job, JobEvent
+from scheduler_service.jobs.states import JobState
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,53 @@ class JobRepository:
             return {}
         stmt = select(*PLAN_COLUMNS).where(Job.id.in_(sorted(job_ids)))
         return {row.id: row for row in (PlanRow(*values) for values in self.session.execute(stmt))}
+
+    def defer_queued(
+        self, reasons: Mapping[int, str], versions: Mapping[int, int], at: datetime
+    ) -> None:
+        """Move these QUEUED jobs to DEFERRED with their reasons, and record each move's event:
+        one UPDATE (an executemany) and one INSERT for all of them, no ORM object. A job no
+        longer QUEUED at the version read (`versions`) raises StaleDataError: it changed
+        meanwhile, and the tick plans again."""
+        if not reasons:
+            return
+        jobs, job_events = cast(Table, Job.__table__), cast(Table, JobEvent.__table__)
+        ids = sorted(reasons)  # id order, as the ORM's flushes lock rows
+        result = self.session.execute(
+            update(jobs)
+            .where(
+                jobs.c.id == bindparam("b_id"),
+                jobs.c.version == bindparam("b_version"),
+                jobs.c.state == JobState.QUEUED.value,
+            )
+            .values(
+                state=JobState.DEFERRED.value,
+                state_reason=bindparam("b_reason"),
+                version=jobs.c.version + 1,
+                updated_at=at,
+            ),
+            [{"b_id": j, "b_version": versions[j], "b_reason": reasons[j]} for j in ids],
+        )
+        if cast(CursorResult[Any], result).rowcount != len(ids):
+            raise StaleDataError(
+                f"a queued job changed while the tick planned ({len(ids)} deferred)"
+            )
+        self.session.execute(
+            insert(job_events),
+            [
+                {
+                    "job_id": j,
+                    "at": at,
+                    "kind": "state",
+                    "from_state": JobState.QUEUED.value,
+                    "to_state": JobState.DEFERRED.value,
+                    "reason": reasons[j],
+                    "actor": "system",
+                    "details": None,
+                }
+                for j in ids
+            ],
+        )
 
     def state_reasons(self, job_ids: Sequence[int]) -> dict[int, str]:
         """The state reason of each of these jobs (one query, no ORM objects)."""

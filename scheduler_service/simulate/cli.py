@@ -134,6 +134,8 @@ def report_table(report: SimulationReport) -> Table:
             f"{report.placement}: {report.placement_lowered} / {report.placement_lowered_jobs}"
             f" / {report.admitted_missed_lowered}; {report.jobs_spanning_nodes}",
         ),
+        ("jobs placement moved to make room (moves)", str(report.placement_moves)),
+        ("switch cost", report.switch_cost),
         ("GPU utilisation", f"{report.gpu_utilisation:.1%}"),
         ("GPU-count changes", str(report.gpu_changes)),
         (
@@ -187,8 +189,25 @@ def simulate(
         ),
     ] = 0.0,
     switch_s: Annotated[
-        float, typer.Option("--switch-s", help="Progress lost per GPU-count change (s).")
+        float,
+        typer.Option(
+            "--switch-s",
+            help=(
+                "Progress a GPU-count change costs as the policies plan it (s); with"
+                " --switch-cost flat also what the replay charges."
+            ),
+        ),
     ] = 30.0,
+    switch_cost: Annotated[
+        str,
+        typer.Option(
+            "--switch-cost",
+            help=(
+                "measured: the replay charges each switch the measured cost model (model size,"
+                " GPUs per node before and after, across nodes or not); flat: --switch-s each."
+            ),
+        ),
+    ] = "measured",
     deadline_margin_s: Annotated[
         float | None,
         typer.Option(
@@ -336,6 +355,16 @@ def simulate(
             ),
         ),
     ] = None,
+    no_placement_moves: Annotated[
+        bool,
+        typer.Option(
+            "--no-placement-moves",
+            help=(
+                "With --placement nodes: placement never moves a running job to another node to"
+                " make room (counts that fit on no node as jobs sit are lowered)."
+            ),
+        ),
+    ] = False,
     limit: Annotated[
         int | None, typer.Option("--limit", help="Replay only the first N jobs of the trace.")
     ] = None,
@@ -355,6 +384,8 @@ def simulate(
         raise typer.BadParameter("must be day, week or run", param_hint="--budget-period")
     if placement not in ("pooled", "nodes"):
         raise typer.BadParameter("must be pooled or nodes", param_hint="--placement")
+    if switch_cost not in ("flat", "measured"):
+        raise typer.BadParameter("must be flat or measured", param_hint="--switch-cost")
     if forecast_noise not in ("flat", "measured"):
         raise typer.BadParameter("must be flat or measured", param_hint="--forecast-noise")
     if elasticflow_overhead and not elasticflow_events:
@@ -398,6 +429,7 @@ def simulate(
             budget_period=cast(Literal["day", "week", "run"], budget_period),
             carbon_price_s_per_kg=carbon_price,
             switch_s=switch_s,
+            switch_cost=cast(Literal["flat", "measured"], switch_cost),
             deadline_margin_s=deadline_margin_s,
             best_effort=best_effort,
             forecast_noise=cast(Literal["flat", "measured"], forecast_noise),
@@ -412,6 +444,7 @@ def simulate(
             ideal_watchdog=not no_watchdog,
             placement=cast(Literal["pooled", "nodes"], placement),
             spannable_nodes=spannable_nodes,
+            placement_moves=not no_placement_moves,
             time_limit_s=time_limit_s,
             seed=seed,
         )

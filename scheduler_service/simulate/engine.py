@@ -60,6 +60,7 @@ from scheduler_service.placement import (
     place_plan,
 )
 from scheduler_service.settings import ClusterConfig, PlannerConfig, default_budget_check_s
+from scheduler_service.simulate.switch_cost import SwitchCostModel, model_params
 from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 from scheduler_service.simulate.watchdog import RealisticWatchdog
 
@@ -110,7 +111,12 @@ class SimulationConfig:
     budget_period: Literal["day", "week", "run"] = "run"
     carbon_price_s_per_kg: float = 0.0
     pue: float = 1.0
-    switch_s: float = 30.0  # progress lost per GPU-count change (hot switch)
+    # What a hot switch costs: "measured", the switch cost model of the measured figures
+    # (`switch_cost.SwitchCostModel`: model size, old and new GPUs per node, across nodes or
+    # not); "flat", `switch_s` per GPU-count change. Either way the policies plan with `switch_s`.
+    switch_cost: Literal["flat", "measured"] = "measured"
+    switch_model: SwitchCostModel = field(default_factory=SwitchCostModel)
+    switch_s: float = 30.0  # flat: progress lost per GPU-count change; what the policies see
     # Policies see deadlines this much earlier than the trace's, so a plan that finishes just in
     # time still does after a hot switch or two (None: 2 x switch_s).
     deadline_margin_s: float | None = None
@@ -165,6 +171,10 @@ class SimulationConfig:
     # only nodes whose agents advertised a rendezvous address; None: all; 0 or 1: none, every
     # job runs inside one node.
     spannable_nodes: int | None = None
+    # With "nodes": placement may move jobs whole to another node to make room for a count that
+    # fits on no node as jobs sit (`placement.place_jobs(move_jobs=True)`); each move costs the
+    # moved job a switch.
+    placement_moves: bool = True
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -307,6 +317,7 @@ class _JobState:
     lowered: int = 0
     lowered_reason: str = ""
     nodes_max: int = 0
+    moves: int = 0  # times placement moved it whole to another node to make room
 
 
 @dataclass(frozen=True)
@@ -332,6 +343,7 @@ class JobOutcome:
     placement_lowered: int = 0
     placement_reason: str = ""
     nodes_max: int = 0
+    placement_moves: int = 0  # times placement moved it whole to another node
 
 
 @dataclass(frozen=True)
@@ -375,6 +387,10 @@ class SimulationReport:
     admitted_lateness_s: dict[str, float] = field(default_factory=lambda: {"sum": 0.0, "max": 0.0})
     # How plans met the nodes: "pooled", or "nodes NxG, S spannable" (SimulationConfig.placement).
     placement: str = "pooled"
+    # Which switch cost the replay charged (`switch_cost_label`).
+    switch_cost: str = ""
+    # Jobs placement moved whole to another node to make room for another (moves, not jobs).
+    placement_moves: int = 0
     # Job-steps placement ran on fewer GPUs than the plan, the jobs that happened to, and the
     # broken promises among them (issue 20's target: 0); jobs that ran across nodes.
     placement_lowered: int = 0
@@ -442,7 +458,35 @@ def placement_label(config: SimulationConfig) -> str:
     return (
         f"nodes {config.num_nodes}x{config.gpus_per_node}, "
         f"{spannable if spannable > 1 else 0} spannable"
+        + (", jobs moved to make room" if config.placement_moves else "")
     )
+
+
+def switch_cost_label(config: SimulationConfig) -> str:
+    """Which switch cost the replay charged, for its report."""
+    if config.elasticflow_overhead:
+        return "elasticflow: per-event overhead (utils.estimate_overhead)"
+    if config.switch_cost == "flat":
+        return f"flat: {config.switch_s:g} s per GPU-count change"
+    return config.switch_model.label()
+
+
+# A switch as placement made it: GPUs per node before and after, and the nodes holding the job's
+# state before (where it ran, or where its paused state is).
+Switch = tuple[dict[int, int], dict[int, int], frozenset[int]]
+
+
+def _switch_stall_s(
+    config: SimulationConfig, state: _JobState, gpus: int, switch: Switch | None
+) -> float:
+    """Progress a started job's switch to `gpus` costs (`config.switch_cost`); `switch`: how
+    placement moved it (None: pooled, one node)."""
+    if config.switch_cost == "flat":
+        return config.switch_s
+    if switch is None:
+        switch = ({0: state.current_gpus}, {0: gpus}, frozenset({0}))
+    old, new, holders = switch
+    return config.switch_model.stall_s(model_params(state.trace.model_name), old, new, holders)
 
 
 @dataclass
@@ -459,6 +503,10 @@ class NodePlacer:
     placements: dict[int, Placement] = field(default_factory=dict)
     homes: dict[int, int] = field(default_factory=dict)
     ids: dict[str, int] = field(default_factory=dict)
+    # The last step's placement of each job as a switch (`Switch`), and the jobs it moved whole
+    # to another node to make room for another.
+    switches: dict[str, Switch] = field(default_factory=dict)
+    moved: set[str] = field(default_factory=set)
 
     def place(self, targets: dict[str, int], states: dict[str, _JobState]) -> dict[str, int]:
         """The GPUs each job runs on when `targets` (GPUs per job) are placed; records on each
@@ -475,15 +523,27 @@ class NodePlacer:
             home=self.homes,
             span_nodes=True,
             spannable=range(len(self.config.spannable_gpus)),
+            move_jobs=self.config.placement_moves,
         )
+        before = self.placements
         self.placements = {i: placed.placements.get(i, NOWHERE) for i in by_id}
+        self.moved = {by_id[i] for i in placed.moved if i in by_id}
+        self.switches = {}
         counts: dict[str, int] = {}
         for i, job_id in by_id.items():
             where = self.placements[i]
             state = states[job_id]
+            old = before.get(i, NOWHERE)
+            holders = {n for n, _ in old.parts} or ({self.homes[i]} if i in self.homes else set())
+            self.switches[job_id] = (
+                {n: len(s) for n, s in old.parts},
+                {n: len(s) for n, s in where.parts},
+                frozenset(holders),
+            )
             if where.node_id is not None:
                 self.homes[i] = where.node_id
             state.nodes_max = max(state.nodes_max, len(where.parts))
+            state.moves += job_id in self.moved
             if i in placed.short:
                 state.lowered += 1
                 state.lowered_reason = placed.short[i]
@@ -516,6 +576,7 @@ class NodePlacer:
             home=self.homes,
             span_nodes=True,
             spannable=range(len(self.config.spannable_gpus)),
+            move_jobs=self.config.placement_moves,
         )
         return {j: rows[self.ids[j]] for j in gpus}
 
@@ -727,9 +788,17 @@ def simulate_trace(
         for job_id in active:
             state = states[job_id]
             gpus = first[job_id]
-            changed = gpus != state.current_gpus and gpus > 0 and state.started
+            # A job placement moved to another node at the same count switches too.
+            moved = placer is not None and job_id in placer.moved
+            changed = (gpus != state.current_gpus or moved) and gpus > 0 and state.started
             # A switch cut short by an event still owes the rest of its stall at the next one.
-            switch = config.switch_s if changed else (state.stall_s if gpus > 0 else 0.0)
+            switch = (
+                _switch_stall_s(
+                    config, state, gpus, placer.switches.get(job_id) if placer else None
+                )
+                if changed
+                else (state.stall_s if gpus > 0 else 0.0)
+            )
             if overheads is not None:
                 # ElasticFlow's overhead instead of the per-change stall: each event sets it
                 # anew (ElasticFlow drops what the last one left unpaid); between events (no
@@ -1255,6 +1324,7 @@ def _report(
                 placement_lowered=state.lowered,
                 placement_reason=state.lowered_reason,
                 nodes_max=state.nodes_max,
+                placement_moves=state.moves,
             )
         )
     broken = [o for o in outcomes if o.guaranteed and not o.deadline_met]
@@ -1300,9 +1370,11 @@ def _report(
         admitted_missed=len(broken),
         admitted_lateness_s={"sum": sum(lateness_s), "max": max(lateness_s, default=0.0)},
         placement=placement_label(config),
+        switch_cost=switch_cost_label(config),
         placement_lowered=sum(o.placement_lowered for o in outcomes),
         placement_lowered_jobs=sum(1 for o in outcomes if o.placement_lowered),
         admitted_missed_lowered=sum(1 for o in broken if o.placement_lowered),
         jobs_spanning_nodes=sum(1 for o in outcomes if o.nodes_max > 1),
+        placement_moves=sum(o.placement_moves for o in outcomes),
         outcomes=outcomes,
     )

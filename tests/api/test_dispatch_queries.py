@@ -86,6 +86,16 @@ def test_newest_commands_slots_and_stops_of_finished_jobs(database_url: str) -> 
         assert set(acked) == {ids["running"], ids["paused"]}
         assert acked[ids["running"]].generation == 1
         assert (acked[ids["paused"]].generation, acked[ids["paused"]].gpus) == (2, 0)
+        # Both in one query: the same rows.
+        every = sorted(ids.values())
+        both = repo.newest_and_newest_acked(every)
+        assert {j: a.generation for j, a in both[0].items()} == {
+            j: newest[j].generation for j in every
+        }
+        assert {j: a.generation for j, a in both[1].items()} == {
+            j: a.generation for j, a in repo.newest_by_job(every, acked=True).items()
+        }
+        assert both[1][ids["running"]].generation == 1 and both[0][ids["running"]].generation == 2
         slots = NodeRepository(session).slots_of_jobs([ids["running"], ids["paused"]])
         assert list(slots) == [ids["running"]]
         assert [s.index for s in slots[ids["running"]]] == [0, 1]
@@ -120,10 +130,10 @@ def test_pruning_plans_takes_their_per_job_rows_with_them(database_url: str) -> 
                     solve_s=0.1,
                     energy_kwh=1.0,
                     emissions_kg=0.1,
-                    gpus_by_job={"1": [index, 1], "2": [1, 0]},
                     slots=[{}, {}],
-                    deadline_misses={"2": f"reason {index}"},
-                )
+                ),
+                {"1": [index, 1], "2": [1, 0]},
+                {"2": f"reason {index}"},
             )
     with transaction(factory) as session:
         AllocationRepository(session).prune_plans(2)
@@ -140,6 +150,6 @@ def test_pruning_plans_takes_their_per_job_rows_with_them(database_url: str) -> 
     assert {r.plan_id for r in rows} == {p.id for p in plans} and len(rows) == 4
     assert [(r.job_id, r.gpus, r.deadline_miss) for r in newest] == [
         (1, [4, 1], None),
-        (2, [1, 0], "reason 4"),
+        (2, [1], "reason 4"),  # stored without its trailing zero
     ]
     assert totals == [5, 1]

@@ -108,14 +108,10 @@ def seed_jobs(session: Session, groups: int, node: Node | None) -> list[Job]:
             solve_s=0.1,
             energy_kwh=1.0,
             emissions_kg=0.1,
-            gpus_by_job={str(job_id): [1, 1, 0, 0] for job_id in every},
             slots=[{"capacity_gpus": 8}] * 4,
-            deadline_misses={
-                str(job_id): "not enough GPUs"
-                for job_id in every
-                if "planned-miss" in names[job_id]
-            },
-        )
+        ),
+        {str(job_id): [1, 1, 0, 0] for job_id in every},
+        {str(job_id): "not enough GPUs" for job_id in every if "planned-miss" in names[job_id]},
     )
     return jobs
 

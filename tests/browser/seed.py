@@ -476,13 +476,9 @@ def _plan(session: Session, now: datetime, *, bert: Job, resnet: Job, vgg: Job, 
                 energy_kwh=sum(s["energy_kwh"] for s in slots),
                 emissions_kg=sum(s["emissions_kg"] for s in slots),
                 forecast_degraded=False,
-                gpus_by_job=gpus,
                 slots=slots,
-                deadline_misses={
-                    str(
-                        resnet.id
-                    ): "needs about 22 h on its maximum of 2 GPUs; the deadline is in 2 h"
-                },
-            )
+            ),
+            gpus,
+            {str(resnet.id): "needs about 22 h on its maximum of 2 GPUs; the deadline is in 2 h"},
         )
     )

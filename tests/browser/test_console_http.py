@@ -31,7 +31,7 @@ from scheduler_service.console.session import COOKIE_NAME
 from scheduler_service.db import migrate
 from scheduler_service.db.models import Job, JobEvent, Plan, TelemetrySample
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
-from scheduler_service.dispatch.plans import index_plan
+from scheduler_service.dispatch.plans import index_plan, padded
 from scheduler_service.jobs.logs import LogSource
 from tests.api.conftest import POSTGRES_URL, _postgres_reachable, fresh_postgres_database
 from tests.browser.conftest import REPO_ROOT, SeededDb, fresh_client
@@ -329,13 +329,9 @@ def test_filters_and_sorting(app_client: TestClient, seeded_db: SeededDb) -> Non
 def test_planned_gpus_sum_jobs_and_close_the_horizon() -> None:
     t0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
     plan = index_plan(
-        Plan(
-            start_at=t0,
-            slot_s=600.0,
-            gpus_by_job={"1": [2, 4, 0], "2": [1, 1, 1]},
-            slots=[{}, {}, {}],
-            deadline_misses={"2": "too little time", "9": "someone else's"},
-        )
+        Plan(start_at=t0, slot_s=600.0, slots=[{}, {}, {}]),
+        {"1": [2, 4, 0], "2": [1, 1, 1]},
+        {"2": "too little time", "9": "someone else's"},
     )
     assert planned_gpus(plan, plan.total_gpus) == [
         (t0, 3.0),
@@ -347,7 +343,14 @@ def test_planned_gpus_sum_jobs_and_close_the_horizon() -> None:
     assert sorted(rows) == [1, 2, 9]
     assert (rows[9].gpus, rows[9].deadline_miss) == ([], "someone else's")
     # One job's plan ends one slot after its last GPU (the drop to zero), not at the horizon.
-    assert [g for _, g in planned_gpus(plan, rows[1].gpus, one_job=True)] == [2.0, 4.0, 0.0, 0.0]
+    # Stored without its trailing zero, read back at the plan's length.
+    assert rows[1].gpus == [2, 4] and padded(rows[1].gpus, plan.num_slots) == [2, 4, 0]
+    assert [g for _, g in planned_gpus(plan, padded(rows[1].gpus, 3), one_job=True)] == [
+        2.0,
+        4.0,
+        0.0,
+        0.0,
+    ]
     assert planned_gpus(plan, [2, 0, 0, 0, 0, 0], one_job=True) == [
         (t0, 2.0),
         (t0 + timedelta(minutes=10), 0.0),

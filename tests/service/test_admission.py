@@ -36,6 +36,7 @@ from scheduler_service.db import migrate
 from scheduler_service.db.base import utcnow
 from scheduler_service.db.models import GpuSlot, Job, Node, Plan
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
+from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.exceptions import FieldError
 from scheduler_service.jobs import service
 from scheduler_service.jobs.repository import JobRepository
@@ -438,7 +439,7 @@ def test_a_deadline_is_refused_when_its_plan_cannot_be_placed_on_the_nodes(
                     ):
                         slot.job_id = job.id
                 if in_force:
-                    session.add(
+                    AllocationRepository(session).add_plan(
                         Plan(
                             start_at=now,
                             slot_s=SLOT_S,
@@ -448,9 +449,10 @@ def test_a_deadline_is_refused_when_its_plan_cannot_be_placed_on_the_nodes(
                             solve_s=0.0,
                             energy_kwh=0.0,
                             emissions_kg=0.0,
-                            gpus_by_job={str(j): [2] * 24 for j in running},
                             slots=[],
-                        )
+                        ),
+                        {str(j): [2] * 24 for j in running},
+                        {},
                     )
             admission = Admission(_config())
             with transaction(factory) as session:

@@ -10,12 +10,20 @@ spanned (their agents reach each other).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from random import Random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.placement import NOWHERE, NodeSlots, Placement, place_jobs, place_plan
+from scheduler_service.placement import (
+    MOVE_MOST_JOBS,
+    NOWHERE,
+    NodeSlots,
+    Placement,
+    place_jobs,
+    place_plan,
+)
 
 
 @dataclass
@@ -66,8 +74,10 @@ def cases(draw: st.DrawFn) -> Case:
 
 
 @settings(max_examples=400, deadline=None)
-@given(cases())
-def test_no_placement_exceeds_a_node_and_nothing_is_lowered_silently(case: Case) -> None:
+@given(cases(), st.booleans())
+def test_no_placement_exceeds_a_node_and_nothing_is_lowered_silently(
+    case: Case, moves: bool
+) -> None:
     placed = place_jobs(
         case.targets,
         case.current,
@@ -77,7 +87,9 @@ def test_no_placement_exceeds_a_node_and_nothing_is_lowered_silently(case: Case)
         tp=case.tp,
         span_nodes=case.span_nodes,
         spannable=case.spannable,
+        move_jobs=moves,
     )
+    assert moves or not placed.moved
     slots_of = {n.node_id: set(n.slot_indices) for n in case.nodes}
     used: set[tuple[int, int]] = set()
     for job, target in case.targets.items():
@@ -102,7 +114,11 @@ def test_no_placement_exceeds_a_node_and_nothing_is_lowered_silently(case: Case)
         assert p.gpus <= target
         assert (p.gpus < target) == (job in placed.short), (job, p, placed.short)
         old = case.current.get(job)
-        if old is not None and old.node_id in slots_of and target > 0:
+        if job in placed.moved:
+            # Moved whole to one node: inside one node before and after, on another node.
+            assert old is not None and not old.others and not p.others, (job, old, p)
+            assert p.node_id != old.node_id, (job, old, p)
+        elif old is not None and old.node_id in slots_of and target > 0:
             before = {(n, i) for n, s in old.parts for i in s}
             after = {(n, i) for n, s in p.parts for i in s}
             assert before <= after or after <= before, (job, old, p)
@@ -205,3 +221,82 @@ def test_placing_a_plan_equals_placing_each_slot_in_turn(
     assert place_plan(plan, case.current, case.nodes, *args) == {
         j: tuple(r) for j, r in expected.items()
     }
+
+
+@dataclass
+class Fragmented:
+    nodes: list[NodeSlots]
+    others: dict[int, Placement]  # jobs inside one node that keep their counts
+    mine: Placement  # the most important job (0) now: on one node, or not running
+    target: int
+
+
+@st.composite
+def fragmented(draw: st.DrawFn) -> Fragmented:
+    sizes = draw(st.lists(st.integers(1, 8), min_size=1, max_size=4))
+    nodes = [NodeSlots(i + 1, tuple(range(k))) for i, k in enumerate(sizes)]
+    free = {n.node_id: list(n.slot_indices) for n in nodes}
+    others: dict[int, Placement] = {}
+    for job in range(1, 1 + draw(st.integers(0, MOVE_MOST_JOBS))):
+        node = draw(st.sampled_from(sorted(free)))
+        n = min(len(free[node]), draw(st.integers(1, 4)))
+        if n:
+            others[job] = Placement(node, tuple(free[node][:n]))
+            del free[node][:n]
+    target = draw(st.integers(1, max(sizes)))
+    mine = NOWHERE
+    node = draw(st.sampled_from(sorted(free)))
+    have = min(len(free[node]), draw(st.integers(0, target - 1)))
+    if have:
+        mine = Placement(node, tuple(free[node][:have]))
+    return Fragmented(nodes, others, mine, target)
+
+
+def _fewest_moves(case: Fragmented) -> int | None:
+    """By brute force: the fewest other jobs moved (whole, at their counts) in any placement
+    that holds job 0's target on one node; None where none does."""
+    cap = {n.node_id: len(n.slot_indices) for n in case.nodes}
+    jobs = sorted(case.others)
+    best: int | None = None
+    for node in cap:
+        for where in product(cap, repeat=len(jobs)):
+            load = dict.fromkeys(cap, 0)
+            load[node] += case.target
+            for job, at in zip(jobs, where, strict=True):
+                load[at] += case.others[job].gpus
+            if all(load[n] <= cap[n] for n in cap):
+                moved = sum(at != case.others[j].node_id for j, at in zip(jobs, where, strict=True))
+                best = moved if best is None else min(best, moved)
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(fragmented())
+def test_moving_jobs_keeps_a_promised_count_wherever_a_placement_holds_it(
+    case: Fragmented,
+) -> None:
+    targets = {0: case.target} | {j: p.gpus for j, p in case.others.items()}
+    current = {j: p for j, p in case.others.items()}
+    if case.mine.node_id is not None:
+        current[0] = case.mine
+    allowed = {j: tuple(range(1, 9)) for j in targets}
+    placed = place_jobs(targets, current, case.nodes, allowed, list(targets), move_jobs=True)
+    slots_of = {n.node_id: set(n.slot_indices) for n in case.nodes}
+    used: set[tuple[int, int]] = set()
+    for job, p in placed.placements.items():
+        assert len(p.parts) <= 1, (job, p)
+        for node_id, slots in p.parts:
+            assert set(slots) <= slots_of[node_id], (job, p)
+            assert not used & {(node_id, i) for i in slots}, (job, p)
+            used |= {(node_id, i) for i in slots}
+    # The other jobs keep their counts, where they are unless moved.
+    for job, old in case.others.items():
+        assert placed.placements[job].gpus == old.gpus
+        assert (placed.placements[job] != old) == (job in placed.moved), (job, old)
+    fewest = _fewest_moves(case)
+    if fewest is None:
+        assert placed.placements[0].gpus < case.target and 0 in placed.short
+        assert not placed.moved
+    else:
+        assert placed.placements[0].gpus == case.target and 0 not in placed.short
+        assert len(set(placed.moved) - {0}) == fewest, (placed.moved, fewest)

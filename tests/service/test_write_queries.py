@@ -21,58 +21,68 @@ from tests.service.test_budget_watchdog import _add_job, _config
 from tests.support.rows import add_node
 
 
-def test_the_write_step_loads_only_the_jobs_it_writes_and_its_statements_stay_flat(
-    database_url: str,  # noqa: F811 (fixture)
-) -> None:
-    engine = make_engine(database_url)
-    factory = make_session_factory(engine)
-    now = utcnow()
-    with transaction(factory) as session:
-        add_node(session, "n1", 8, state="ready", last_heartbeat_at=now + timedelta(hours=1))
-    loop = ControlLoop(_config(limit_kg=1000.0), factory, engine)
+class _Ticks:
+    """A control loop on `database_url` (one node of `gpus` GPUs) whose write step is counted:
+    its statements and the jobs it loaded as ORM objects."""
 
-    async def forecast() -> Any:
-        try:
-            return await loop.carbon.get_forecast(loop.config.planner.horizon_s)
-        finally:
-            await loop.carbon.aclose()
+    def __init__(self, url: str, gpus: int) -> None:
+        self.engine = make_engine(url)
+        self.factory = make_session_factory(self.engine)
+        self.now = utcnow()
+        with transaction(self.factory) as session:
+            add_node(
+                session, "n1", gpus, state="ready", last_heartbeat_at=self.now + timedelta(hours=1)
+            )
+        self.loop = ControlLoop(_config(limit_kg=1000.0), self.factory, self.engine)
+        loop = self.loop
 
-    carbon = asyncio.run(forecast())
-    write_plan = loop._write_plan
-    phase: dict[str, Any] = {}
+        async def forecast() -> Any:
+            try:
+                return await loop.carbon.get_forecast(loop.config.planner.horizon_s)
+            finally:
+                await loop.carbon.aclose()
 
-    def counted_write(*args: Any, **kwargs: Any) -> None:
-        loaded: list[int] = []
+        self.carbon = asyncio.run(forecast())
+        write_plan = loop._write_plan
+        self.phase: dict[str, Any] = {}
 
-        def on_load(job: Job, _context: Any) -> None:
-            loaded.append(job.id)
+        def counted_write(*args: Any, **kwargs: Any) -> None:
+            loaded: list[int] = []
 
-        event.listen(Job, "load", on_load)
-        try:
-            with counted(engine) as statements:
-                write_plan(*args, **kwargs)
-        finally:
-            event.remove(Job, "load", on_load)
-        phase.update(statements=len(statements), loaded=set(loaded))
+            def on_load(job: Job, _context: Any) -> None:
+                loaded.append(job.id)
 
-    loop._write_plan = counted_write  # type: ignore[method-assign]
+            event.listen(Job, "load", on_load)
+            try:
+                with counted(self.engine) as statements:
+                    write_plan(*args, **kwargs)
+            finally:
+                event.remove(Job, "load", on_load)
+            self.phase.update(statements=len(statements), loaded=set(loaded))
 
-    def queue(count: int, first: int) -> None:
-        for i in range(count):
-            _add_job(
-                factory, name=f"q{first + i}", total_samples=10**9, state=JobState.QUEUED.value,
-                state_reason="submitted", created_at=now, updated_at=now,
-            )  # fmt: skip
+        loop._write_plan = counted_write  # type: ignore[method-assign]
 
-    def tick() -> tuple[int, set[int], set[int], int]:
+    def queue(self, count: int, first: int, priority: int = 1) -> list[int]:
+        """`count` queued jobs; their ids."""
+        fields = {
+            "total_samples": 10**9,
+            "state": JobState.QUEUED.value,
+            "state_reason": "submitted",
+            "created_at": self.now,
+            "updated_at": self.now,
+            "priority": priority,
+        }
+        return [_add_job(self.factory, name=f"q{first + i}", **fields) for i in range(count)]
+
+    def tick(self) -> tuple[int, set[int], set[int], int]:
         """The write step's statements, the jobs it loaded, the jobs it wrote, jobs planned."""
-        with transaction(factory) as session:
+        with transaction(self.factory) as session:
             before = {
                 "commands": session.scalar(select(func.count()).select_from(Allocation)),
                 "events": session.scalar(select(func.count()).select_from(JobEvent)),
             }
-        planned, _ = loop._plan(carbon, utcnow())
-        with transaction(factory) as session:
+        planned, _ = self.loop._plan(self.carbon, utcnow())
+        with transaction(self.factory) as session:
             new_commands = session.scalars(
                 select(Allocation.job_id).order_by(Allocation.id).offset(before["commands"])
             )
@@ -80,8 +90,30 @@ def test_the_write_step_loads_only_the_jobs_it_writes_and_its_statements_stay_fl
                 select(JobEvent.job_id).order_by(JobEvent.id).offset(before["events"])
             )
             written = set(new_commands) | set(new_events)
-        return phase["statements"], phase["loaded"], written, planned
+        return self.phase["statements"], self.phase["loaded"], written, planned
 
+    def deferred(self, job_ids: list[int]) -> set[int]:
+        """Which of these jobs are DEFERRED, with the event of their move from QUEUED."""
+        with transaction(self.factory) as session:
+            return set(
+                session.scalars(
+                    select(Job.id)
+                    .join(JobEvent, JobEvent.job_id == Job.id)
+                    .where(
+                        Job.id.in_(job_ids),
+                        Job.state == JobState.DEFERRED.value,
+                        JobEvent.from_state == JobState.QUEUED.value,
+                        JobEvent.to_state == JobState.DEFERRED.value,
+                    )
+                )
+            )
+
+
+def test_the_write_step_loads_only_the_jobs_it_writes_and_its_statements_stay_flat(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    ticks = _Ticks(database_url, 8)
+    queue, tick, engine = ticks.queue, ticks.tick, ticks.engine
     try:
         queue(3, 0)
         tick()  # the first plan: commands for the jobs it runs, the others deferred
@@ -98,3 +130,24 @@ def test_the_write_step_loads_only_the_jobs_it_writes_and_its_statements_stay_fl
         assert steady_many[0] == steady_few[0]
     finally:
         engine.dispose()
+
+
+def test_queued_jobs_are_deferred_in_one_update_however_many_and_none_is_loaded(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # One GPU, held by the first job (the highest priority): every job queued after it waits.
+    ticks = _Ticks(database_url, 1)
+    try:
+        ticks.queue(1, 0, priority=100)
+        ticks.tick()
+        few = ticks.queue(3, 10)
+        statements_few, loaded_few, _, _ = ticks.tick()
+        many = ticks.queue(30, 100)
+        statements_many, loaded_many, _, planned = ticks.tick()
+        assert planned == 34
+        assert ticks.deferred(few) == set(few) and ticks.deferred(many) == set(many)
+        # Not loaded as ORM objects, and 30 deferred in as many statements as 3.
+        assert not loaded_few & set(few) and not loaded_many & set(many)
+        assert statements_many == statements_few
+    finally:
+        ticks.engine.dispose()

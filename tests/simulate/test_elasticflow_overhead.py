@@ -107,6 +107,7 @@ def test_overhead_delays_finishes_by_the_hand_computed_seconds(
             slot_s=60.0,
             horizon_slots=4,
             switch_s=30.0,
+            switch_cost="flat",
             elasticflow_events=True,
             elasticflow_overhead=overhead,
         )

@@ -22,12 +22,18 @@ from scheduler_service.simulate.engine import (
     _JobState,
     simulate_trace,
 )
+from scheduler_service.simulate.switch_cost import SwitchCostModel, model_params
 from scheduler_service.simulate.trace import JobTables, TraceJob, load_trace
 from tests.simulate.test_simulate import T0, _app, write_series, write_trace
 
 
 def _replay(
-    root: Path, rows: list[str], placement: str, spannable_nodes: int | None = None
+    root: Path,
+    rows: list[str],
+    placement: str,
+    spannable_nodes: int | None = None,
+    moves: bool = True,
+    switch_cost: str = "measured",
 ) -> SimulationReport:
     folder = root / "profiles"
     folder.mkdir(exist_ok=True)
@@ -42,6 +48,8 @@ def _replay(
         slot_s=900.0,
         placement=placement,  # type: ignore[arg-type]
         spannable_nodes=spannable_nodes,
+        placement_moves=moves,
+        switch_cost=switch_cost,  # type: ignore[arg-type]
     )
     return simulate_trace(
         load_trace(write_trace(root, rows)),
@@ -69,8 +77,8 @@ def test_a_job_larger_than_any_node_spans_nodes_only_where_spanning_is_allowed(
     # Nodes that may not be spanned: the job gets at most one node (the live service's cap),
     # which is not a lowering: it was planned on 4.
     assert _outcome(inside, "w") == (pytest.approx(6000.0), 0, 1)
-    assert spanning.placement == "nodes 2x4, 2 spannable"
-    assert inside.placement == "nodes 2x4, 0 spannable"
+    assert spanning.placement == "nodes 2x4, 2 spannable, jobs moved to make room"
+    assert inside.placement == "nodes 2x4, 0 spannable, jobs moved to make room"
     assert (spanning.jobs_spanning_nodes, inside.jobs_spanning_nodes) == (1, 0)
 
 
@@ -88,7 +96,8 @@ def test_a_count_placement_lowers_is_counted_and_run_as_placed(tmp_path: Path) -
     spanning = _replay(tmp_path, rows, "nodes")
     assert _outcome(spanning, "e") == (pytest.approx(3600.0), 0, 2)
     assert spanning.placement_lowered == 0
-    inside = _replay(tmp_path, rows, "nodes", spannable_nodes=0)
+    # Placement that never moves a job to make room, and the flat 30 s switch.
+    inside = _replay(tmp_path, rows, "nodes", spannable_nodes=0, moves=False, switch_cost="flat")
     jct_s, lowered, nodes_max = _outcome(inside, "e")
     # Lowered to 2 GPUs (18 it/s) on node 0 until b ends at 7,200 s, then 4 after a 30 s switch:
     # 5,400 s x 18 = 97,200 iterations, the other 10,800 take 360 s.
@@ -101,6 +110,32 @@ def test_a_count_placement_lowers_is_counted_and_run_as_placed(tmp_path: Path) -
     assert inside.admitted_missed_lowered == 0  # no deadlines here: no promise to break
     # Pooled, the same plan runs as planned: the figures the node-aware replay corrects.
     assert _outcome(_replay(tmp_path, rows, "pooled"), "e") == (pytest.approx(3600.0), 0, 0)
+
+
+def test_placement_moves_a_job_to_make_room_and_the_move_costs_it_a_switch(
+    tmp_path: Path,
+) -> None:
+    # As above, inside one node: e's 4 GPUs fit on no node as a..d sit, so placement moves b
+    # (node 0, the first of the two equally free nodes) whole to node 1, where c's 2 GPUs are
+    # free, and e runs on node 0's 4 from its arrival.
+    rows = [
+        "a,0,16200,small,,32,2,900",
+        "b,0,129600,small,,32,2,7200",
+        "c,0,16200,small,,32,2,900",
+        "d,0,129600,small,,32,2,7200",
+        "e,1800,108000,mid,,32,4,3600",
+    ]
+    moved = _replay(tmp_path, rows, "nodes", spannable_nodes=0)
+    assert _outcome(moved, "e") == (pytest.approx(3600.0), 0, 1)
+    assert moved.placement_lowered == 0 and moved.placement_moves == 1
+    # b pays the switch of 2 new workers on a node that holds none of its state (the measured
+    # model, its size unknown: DEFAULT_PARAMS); d stays where it is and finishes as planned.
+    stall_s = SwitchCostModel().stall_s(model_params("small"), {0: 2}, {1: 2}, {0})
+    assert stall_s > SwitchCostModel().start_s
+    b, d = (next(o for o in moved.outcomes if o.job_id == j) for j in ("b", "d"))
+    assert (b.placement_moves, d.placement_moves) == (1, 0)
+    assert b.finish_s == pytest.approx(7200.0 + stall_s)
+    assert d.finish_s == pytest.approx(7200.0)
 
 
 def test_spannable_nodes_needs_node_placement_and_a_count_within_the_cluster() -> None:
@@ -118,13 +153,14 @@ def _state(job_id: str, deadline_s: float | None, allowed: tuple[int, ...]) -> _
     return _JobState(trace=job, tables=tables, seen=tables, remaining_samples=0.0)
 
 
-@pytest.mark.parametrize("spannable_nodes", [0, None])
+@pytest.mark.parametrize(("spannable_nodes", "moves"), [(0, False), (0, True), (None, False)])
 def test_admission_promises_only_what_its_plan_keeps_once_placed(
-    spannable_nodes: int | None,
+    spannable_nodes: int | None, moves: bool
 ) -> None:
     # a and b hold 2 GPUs on nodes 0 and 1 (of 4 each); the new job e needs 4 GPUs (40
     # samples/s) for both 1 s slots to do its 80 samples by its deadline. Pooled (or spanning
-    # both nodes) the plan keeps it; inside one node e gets 2 and misses it.
+    # both nodes) the plan keeps it; inside one node e gets 2 and misses it, unless placement
+    # may move a or b onto the other's node to make room.
     config = SimulationConfig(
         policy="carbon-agnostic",
         num_nodes=2,
@@ -133,6 +169,7 @@ def test_admission_promises_only_what_its_plan_keeps_once_placed(
         switch_s=0.0,
         placement="nodes",
         spannable_nodes=spannable_nodes,
+        placement_moves=moves,
     )
     states = {
         "a": _state("a", None, (1, 2)),
@@ -161,10 +198,11 @@ def test_admission_promises_only_what_its_plan_keeps_once_placed(
     )
     assert plan.deadline_met == {"e": True}
     lost = placer.lost_deadlines(problem, plan, {"e"}, states)
-    assert lost == (["e"] if spannable_nodes == 0 else [])
+    broken = spannable_nodes == 0 and not moves
+    assert lost == (["e"] if broken else [])
     decision = AdmissionDecision(True, True, "deadline can be met", plan)
     refused = placer.refuse(decision, problem, {"e"}, states, best_effort=False)
-    if spannable_nodes == 0:
+    if broken:
         assert not refused.admitted and "placed on the nodes" in refused.reason
         queued = placer.refuse(decision, problem, {"e"}, states, best_effort=True)
         assert queued.admitted and not queued.guaranteed
@@ -185,7 +223,8 @@ def test_cli_places_on_nodes_and_names_the_placement_in_its_report(tmp_path: Pat
     result = runner.invoke(_app(), [*base, "--placement", "nodes", "--spannable-nodes", "0"])
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
-    assert payload["placement"] == "nodes 2x4, 0 spannable"
+    assert payload["placement"] == "nodes 2x4, 0 spannable, jobs moved to make room"
+    assert payload["switch_cost"].startswith("measured: ")
     assert payload["avg_jct_s"] == pytest.approx(6000.0)
     assert payload["jobs_detail"][0]["nodes_max"] == 1
     bad = runner.invoke(_app(), [*base, "--placement", "racks"])

@@ -49,7 +49,12 @@ def test_switch_stall_survives_an_event_during_the_switch(
     jobs = load_trace(write_trace(tmp_path, rows))
     monkeypatch.setattr(engine, "get_policy", lambda name: _scripted_policy())
     config = SimulationConfig(
-        policy="static", num_nodes=1, gpus_per_node=4, switch_s=30.0, horizon_slots=4
+        policy="static",
+        num_nodes=1,
+        gpus_per_node=4,
+        switch_s=30.0,
+        switch_cost="flat",
+        horizon_slots=4,
     )
     report = simulate_trace(jobs, series, profiles, config)
     a = next(o for o in report.outcomes if o.job_id == "a")

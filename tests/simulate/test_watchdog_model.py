@@ -56,6 +56,7 @@ def _config(budget_kg: float, slot_s: float, watchdog: WatchdogModel | None) -> 
         horizon_slots=4,
         budget_kg=budget_kg,
         budget_period="run",
+        switch_cost="flat",
         watchdog=watchdog,
     )
 
@@ -191,7 +192,11 @@ def test_the_default_ideal_watchdog_report_is_unchanged(tmp_path: Path, policy: 
     rows = [f"j{i},{i * 600},{36000 * (1 + i % 3)},toy,,32,2,3600" for i in range(6)]
     jobs = load_trace(write_trace(tmp_path, rows))
     free = simulate_trace(
-        jobs, series, profiles, SimulationConfig(policy=policy, num_nodes=1, gpus_per_node=4)
+        jobs,
+        series,
+        profiles,
+        # The golden figures were measured with the flat 30 s switch.
+        SimulationConfig(policy=policy, num_nodes=1, gpus_per_node=4, switch_cost="flat"),
     )
     config = SimulationConfig(
         policy=policy,
@@ -205,6 +210,7 @@ def test_the_default_ideal_watchdog_report_is_unchanged(tmp_path: Path, policy: 
         seed=0,
         # The forecast noise of that code: one draw per slot, the hour running now included.
         measured_now=False,
+        switch_cost="flat",
     )
     assert config.watchdog is None
     report: SimulationReport = simulate_trace(jobs, series, profiles, config)

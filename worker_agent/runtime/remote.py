@@ -257,7 +257,7 @@ class WorkerHost:
     def close(self) -> None:
         """Stop serving and kill every worker this host started."""
         self._closed.set()
-        self._sock.close()
+        _close_listener(self._sock)
         with self._lock:
             procs = list(self._procs.values())
             self._procs.clear()
@@ -398,7 +398,15 @@ class Dialler:
 
     def close(self) -> None:
         """Stop listening."""
-        self._sock.close()
+        _close_listener(self._sock)
+
+
+def _close_listener(sock: socket.socket) -> None:
+    """Close a listening socket so that a thread blocked in its accept() returns at once."""
+    # close() alone leaves accept() blocked on Linux until the next connection arrives.
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def main(argv: list[str] | None = None) -> None:
