@@ -347,7 +347,10 @@ def test_cli_without_profiles_names_the_option_when_the_default_is_absent(
     trace = write_trace(tmp_path, ["a,0,36000,toy,5000,32,1,3600"])
     out = tmp_path / "report.json"
     args = ["simulate", "--jobs", str(trace), "--carbon", str(carbon), "--cluster", "1x4"]
-    result = CliRunner().invoke(_app(), [*args, "--policy", "static", "--out", str(out)])
+    # Wide enough that the error box does not wrap the long temporary path mid-word.
+    result = CliRunner().invoke(
+        _app(), [*args, "--policy", "static", "--out", str(out)], env={"COLUMNS": "400"}
+    )
     assert result.exit_code == 2
     assert "--profiles" in result.output and "absent" in result.output
     assert not out.exists()
