@@ -19,9 +19,13 @@ if [ "$#" -eq 0 ]; then
   # On their own, so the log says how many ran and, where namespaces cannot be made, why not.
   echo "== pytest: multi-node (network namespaces, veth links)"
   pytest -q -p no:cacheprovider -rs tests/multinode
+  # Schemathesis collects one item per API operation under a shared id, which xdist would run
+  # once per id: it runs in one process, so that every operation is exercised.
+  echo "== pytest: API schema (schemathesis, every operation)"
+  pytest -q -p no:cacheprovider tests/api/test_schemathesis.py
   echo "== pytest (${GREENFLOW_TEST_WORKERS:-2} processes)"
   pytest -q -p no:cacheprovider -n "${GREENFLOW_TEST_WORKERS:-2}" --dist loadfile \
-    --durations=15 --ignore=tests/multinode
+    --durations=15 --ignore=tests/multinode --ignore=tests/api/test_schemathesis.py
 else
   echo "== pytest"
   pytest -q -p no:cacheprovider "$@"
