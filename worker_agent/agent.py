@@ -323,7 +323,11 @@ class Agent:
                     f"job {cmd.job_id}: stop generation {cmd.generation} is older than "
                     f"the applied generation {job.generation}"
                 )
-            if job.state not in ("stopped", "finished", "failed"):
+            if job.reached_end():
+                # The scheduler counted the last samples before this agent's monitor looked:
+                # end it as the monitor would, so the trained model is still exported.
+                self._finish(job)
+            elif job.state not in ("stopped", "finished", "failed"):
                 sample = job.cut_sample()
                 if sample is not None:
                     self.outbox.put(sample)
@@ -657,11 +661,15 @@ class Agent:
             self.link.flush_now.set()
             return
         if job.reached_end():
-            self._cut(job, finished=True)
-            job.stop("finished", export_dir=self.export_dir / f"job-{job.job_id}")
-            self._release_slots(job.job_id, keep=[])
-            log.info("job %d finished at step %d", job.job_id, job.step)
-            self.link.flush_now.set()
+            self._finish(job)
+
+    def _finish(self, job: ManagedJob) -> None:
+        """End a job that trained all its samples: last telemetry, export, slots freed."""
+        self._cut(job, finished=True)
+        job.stop("finished", export_dir=self.export_dir / f"job-{job.job_id}")
+        self._release_slots(job.job_id, keep=[])
+        log.info("job %d finished at step %d", job.job_id, job.step)
+        self.link.flush_now.set()
 
 
 def _remote_slots(parts: list[RemotePart]) -> set[tuple[str, int]]:
