@@ -560,15 +560,14 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
 
     # Deadline jobs met only by work after the horizon, by the deadline they are judged against
     # (seen, then promised): (deadline, GPU-seconds of that work, row).
-    after_seen: list[tuple[float, float, int]] = []
-    after_promised: list[tuple[float, float, int]] = []
+    after_seen: list[AfterHorizonWork] = []
+    after_promised: list[AfterHorizonWork] = []
     kept: dict[int, bool] = {}  # row -> promise kept (margin included)
 
     capacity = problem.capacity_gpus[-1]
 
-    def after_need(i: int, job: JobSpec, deadline_s: float) -> tuple[float, float, int]:
-        left = job.remaining_samples - float(done[i])
-        return deadline_s, least_gpu_s(job, left, deadline_s - horizon_s, capacity), i
+    def after_need(i: int, job: JobSpec, deadline_s: float) -> AfterHorizonWork:
+        return AfterHorizonWork(deadline_s, job, job.remaining_samples - float(done[i]), i)
 
     for i, job in enumerate(problem.jobs):
         finish = None if not finished[i] else float(finish_s[i])
@@ -591,9 +590,9 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     # counted at its fewest GPU-seconds (`least_gpu_s`), so only a plan no schedule after the
     # horizon can mend misses: a stricter count (one count per job, as admission's check) made
     # plans give up on a promise it wrongly called lost, and then it was.
-    for i in crowded_after_horizon(after_seen, capacity, horizon_s):
+    for i in overcommitted_after_horizon(after_seen, capacity, horizon_s):
         met[problem.jobs[i].job_id] = False
-    for i in crowded_after_horizon(after_promised, capacity, horizon_s):
+    for i in overcommitted_after_horizon(after_promised, capacity, horizon_s):
         kept[i] = False
     for i, job in enumerate(problem.jobs):
         if job.deadline_s is not None and not met[job.job_id]:
@@ -676,6 +675,45 @@ def least_gpu_s(job: JobSpec, left_samples: float, window_s: float, capacity_gpu
                 gpus = gpus_a + (gpus_b - gpus_a) * (need_rate - rate_a) / (rate_b - rate_a)
             best = min(best, gpus * window_s)
     return best
+
+
+@dataclass(frozen=True)
+class AfterHorizonWork:
+    """A deadline job's work left at the horizon: due `deadline_s` (from the problem's start)."""
+
+    deadline_s: float
+    job: JobSpec
+    left_samples: float
+    row: int
+
+
+def overcommitted_after_horizon(
+    work: Sequence[AfterHorizonWork], capacity_gpus: int, horizon_s: float
+) -> list[int]:
+    """Rows of `work` due at a deadline by which the GPU-seconds the work needs exceed the
+    cluster's from the horizon on: the work due by then, and the part of each later job's that
+    its fastest count cannot do between then and its own deadline, each at its fewest
+    GPU-seconds (`least_gpu_s`). A necessary condition only (no stalls, work divisible)."""
+    ordered = sorted(work, key=lambda w: (w.deadline_s, w.row))
+    fastest = [max(w.job.throughput_samples_per_s) for w in ordered]
+    own = [
+        least_gpu_s(w.job, w.left_samples, w.deadline_s - horizon_s, capacity_gpus) for w in ordered
+    ]
+    crowded: list[int] = []
+    due = 0.0
+    for k, w in enumerate(ordered):
+        due += own[k]
+        window_s = w.deadline_s - horizon_s
+        # A job due later that cannot finish after this deadline at full speed needs GPUs before.
+        before = 0.0
+        # (Jobs due at the same time count at their own turn, so only one of them is crowded.)
+        for later, rate in zip(ordered[k + 1 :], fastest[k + 1 :], strict=True):
+            rest = later.left_samples - rate * (later.deadline_s - w.deadline_s)
+            if rest > 0 and later.deadline_s > w.deadline_s:
+                before += least_gpu_s(later.job, rest, window_s, capacity_gpus)
+        if due + before > capacity_gpus * window_s * (1 + 1e-9):
+            crowded.append(w.row)
+    return crowded
 
 
 def crowded_after_horizon(
