@@ -53,6 +53,7 @@ from scheduler_service.planning import (
     assemble_snapshot,
     plan_row,
     read_rows,
+    span_fresh_s,
 )
 from scheduler_service.settings import GreenflowConfig
 from scheduler_service.solver_process import SolverProcess
@@ -496,7 +497,7 @@ class ControlLoop:
             now,
             rows,
             # A spanning job is not placed across a node silent for three heartbeats.
-            span_fresh_s=3 * self.config.cluster.agent_heartbeat_interval_s,
+            span_fresh_s=span_fresh_s(self.config),
         )
         record_deadline_risks(session, planning.problem, plan, rows, now)
         if changed:
