@@ -92,9 +92,9 @@ class TickReport:
 
 
 def load_planning_libraries() -> None:
-    """Import what the first solve and the first model refit would (OR-Tools with pandas, torch),
-    so that `greenflow serve` starts without them and no tick waits for them."""
-    for module in ("ortools.linear_solver.python.model_builder", "torch"):
+    """Import what the first solve and the first model refit would (OR-Tools with pandas, scipy's
+    optimiser), so that `greenflow serve` starts without them and no tick waits for them."""
+    for module in ("ortools.linear_solver.python.model_builder", "scipy.optimize"):
         importlib.import_module(module)
 
 

@@ -613,8 +613,35 @@ def record_failure(session: Session, allocation_id: int, error: str, *, rejected
     allocation.status = "rejected" if rejected else "unreachable"
     allocation.error = error[:2000]
     if rejected:
+        _restore_acked_slots(session, allocation)
         job = JobRepository(session).get(allocation.job_id)
         if job is not None and JobState(job.state) is JobState.RESIZING:
             JobRepository(session).add_event(
                 transition(job, JobState.RUNNING, reason=f"resize refused by agent: {error[:200]}")
             )
+
+
+def _restore_acked_slots(session: Session, refused: Allocation) -> None:
+    """After an agent refused a job's newest command, the job holds again the slots of its
+    newest acknowledged one: what the agent still runs.
+
+    The tick that staged the refused command gave the job its slots at once; left so, the next
+    tick would see the job already placed as planned and never send it again, while the agent
+    ran it on its old slots (or not at all) and the new ones stayed idle."""
+    allocations = AllocationRepository(session)
+    newest = allocations.newest_by_job([refused.job_id]).get(refused.job_id)
+    if newest is not None and newest.id != refused.id:
+        return  # a newer command already decides where the job goes
+    nodes = NodeRepository(session)
+    acked = allocations.newest_by_job([refused.job_id], acked=True).get(refused.job_id)
+    if acked is None or acked.gpus == 0 or acked.node_id is None:
+        nodes.release_job(refused.job_id)
+        return
+    parts = [(acked.node_id, list(acked.slot_indices))]
+    parts += [(int(node_id), list(indices)) for node_id, indices in acked.parts or []]
+    ready = {
+        n.id for n in nodes.get_many(sorted({n for n, _ in parts})).values() if n.state == "ready"
+    }
+    # The agent's truth wins over a slot the same tick gave another job: that job's own
+    # command is then refused by the agent in turn and rolled back the same way.
+    nodes.assign_parts([(n, ix) for n, ix in parts if n in ready], refused.job_id)
