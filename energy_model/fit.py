@@ -167,8 +167,12 @@ def fit_throughput_layouts(
     prior_log_std: float | Sequence[float] = 1.0,
     obs_rel_std: float = DEFAULT_OBS_REL_STD,
     layout_log_std: float = LAYOUT_LOG_STD,
+    start: tuple[ThroughputParams, Sequence[float]] | None = None,
 ) -> tuple[ThroughputParams, tuple[float, ...]]:
-    """As fit_throughput, plus one log speed factor per non-reference layout (index 1..n-1)."""
+    """As fit_throughput, plus one log speed factor per non-reference layout (index 1..n-1).
+
+    `start`: where the search begins (an earlier fit's parameters and log factors, one per
+    layout): the same optimum, reached in fewer steps when a refit adds a few samples."""
     if not observations:
         return prior, (0.0,) * n_layouts
     theta0 = np.concatenate([prior.as_log_array(), np.zeros(n_layouts - 1)])
@@ -206,7 +210,10 @@ def fit_throughput_layouts(
         grad[4:] += uses @ pull
         return loss, grad
 
-    theta = _minimise(theta0, loss_and_grad)
+    begin = theta0
+    if start is not None and len(start[1]) == n_layouts:
+        begin = np.concatenate([start[0].as_log_array(), np.asarray(start[1][1:], dtype=float)])
+    theta = _minimise(begin, loss_and_grad)
     factors = (0.0, *(float(x) for x in theta[4:]))
     return ThroughputParams.from_log_array(theta[:4]), factors
 
@@ -216,8 +223,10 @@ def fit_power(
     prior: PowerParams,
     prior_log_std: float | Sequence[float] = 0.5,
     obs_rel_std: float = DEFAULT_OBS_REL_STD,
+    start: PowerParams | None = None,
 ) -> PowerParams:
-    """MAP fit of the per-GPU power model to observed (utilisation, W) pairs."""
+    """MAP fit of the per-GPU power model to observed (utilisation, W) pairs (`start`: where
+    the search begins, as in fit_throughput_layouts)."""
     if not observations:
         return prior
     theta0 = prior.as_log_array()
@@ -240,4 +249,5 @@ def fit_power(
         grad += np.array([pull.sum() * idle, pull @ dynamic, pull @ (dynamic * log_u * exponent)])
         return loss, grad
 
-    return PowerParams.from_log_array(_minimise(theta0, loss_and_grad))
+    begin = theta0 if start is None else start.as_log_array()
+    return PowerParams.from_log_array(_minimise(begin, loss_and_grad))

@@ -58,7 +58,7 @@ class JobModels:
     the newest samples of a job new to the models, and for the others the samples stored since
     the last read (by sample id; one committed out of id order by a concurrent writer may be
     skipped, and the fit has hundreds). The refits (`fitted`) run after that transaction, a job's
-    at most once per `refit_interval_s` (a refit takes about 12 ms: at every tick for every
+    at most once per `refit_interval_s` (a refit takes 8-12 ms: at every tick for every
     running job it would outgrow the solve); its new samples wait in the fitter's buffer.
     """
 
