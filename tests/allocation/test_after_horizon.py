@@ -83,7 +83,7 @@ def test_a_later_job_needs_its_gpus_before_the_earlier_deadline_too() -> None:
         intensity_g_per_kwh=(100.0,) * 4,
         jobs=(x, y),
     )
-    gpus = {"x": (8, 8, 8, 8), "y": (8, 8, 8, 8)}
+    gpus: dict[str, tuple[int, ...]] = {"x": (8, 8, 8, 8), "y": (8, 8, 8, 8)}
     done = 8.0 * 4 * SLOT_S
     work = [
         AfterHorizonWork(job.deadline_s or 0.0, job, job.remaining_samples - done, i)
