@@ -29,4 +29,4 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check scheduler_service energy_model worker_agent tests bench migrations
-	$(BIN)/mypy scheduler_service energy_model worker_agent tests bench
+	$(BIN)/mypy scheduler_service energy_model worker_agent tests bench migrations examples

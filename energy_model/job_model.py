@@ -275,6 +275,10 @@ class JobModelFitter:
             layout_weight[key] = layout_weight.get(key, 0.0) + w
         layouts = sorted(layout_weight, key=lambda k: (-layout_weight[k], k))
         index = {name: i for i, name in enumerate(layouts)}
+        # The search starts from the last fit (a refit adds a few samples to hundreds).
+        last = self.model.params if self.model.source == "fitted" else None
+        last_speed = self.model.layout_speed_factor
+        reference = math.log(last_speed.get(layouts[0], 1.0))
         throughput, log_factors = fit_throughput_layouts(
             [
                 ThroughputObs(p.gpus, batch, p.samples_per_s, w, index[p.layout or ""])
@@ -284,6 +288,12 @@ class JobModelFitter:
             len(layouts),
             prior_log_std=prior.param_log_std,
             obs_rel_std=self.obs_rel_std,
+            start=None
+            if last is None
+            else (
+                last.throughput,
+                [math.log(last_speed.get(name, 1.0)) - reference for name in layouts],
+            ),
         )
         speed = {name: math.exp(log_factors[i]) for name, i in index.items()}
         layout_at = {p.gpus: p.layout or "" for p in self.samples}  # latest sample wins
@@ -298,6 +308,7 @@ class JobModelFitter:
             prior.power,
             prior_log_std=POWER_PARAM_LOG_STD,
             obs_rel_std=self.obs_rel_std,
+            start=None if last is None else last.power,
         )
         params = replace(prior, throughput=throughput, power=power)
         counts = self.prior.allowed_gpus

@@ -5,7 +5,7 @@
 
 # preset -> (compute_s_per_sample, overhead_s, allreduce_s, latency_s, rel_std)
 THROUGHPUT_PRIORS: dict[str, tuple[float, float, float, float, float]] = {
-    'bert': (0.00184939, 0.0448212, 0.00243973, 0.00883112, 0.0316),
+    'bert': (0.00184939, 0.0448212, 0.00243974, 0.00883112, 0.0316),
     'deepspeech2': (0.00910754, 0.0352202, 0.0271003, 0.000273917, 0.0386),
     'gpt2': (0.000920839, 0.0155543, 0.00176508, 0.00654034, 0.0353),
     'inception3': (0.00283106, 0.0218602, 0.00410054, 0.00817199, 0.0300),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from logging.config import fileConfig
+from typing import Literal
 
 from alembic import context
+from alembic.autogenerate.api import AutogenContext
 
 from scheduler_service.db import models  # noqa: F401  (registers the tables)
 from scheduler_service.db.base import Base, UTCDateTime
@@ -18,7 +20,7 @@ if config.config_file_name is not None and config.attributes.get("configure_logg
 target_metadata = Base.metadata
 
 
-def _render_item(type_: str, obj: object, autogen_context: object) -> str | bool:
+def _render_item(type_: str, obj: object, autogen_context: AutogenContext) -> str | Literal[False]:
     """Render our UTC column type as a plain timezone-aware DateTime so migrations stand alone."""
     if type_ == "type" and isinstance(obj, UTCDateTime):
         return "sa.DateTime(timezone=True)"

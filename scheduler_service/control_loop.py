@@ -53,6 +53,7 @@ from scheduler_service.planning import (
     assemble_snapshot,
     plan_row,
     read_rows,
+    span_fresh_s,
 )
 from scheduler_service.settings import GreenflowConfig
 from scheduler_service.solver_process import SolverProcess
@@ -91,9 +92,9 @@ class TickReport:
 
 
 def load_planning_libraries() -> None:
-    """Import what the first solve and the first model refit would (OR-Tools with pandas, torch),
-    so that `greenflow serve` starts without them and no tick waits for them."""
-    for module in ("ortools.linear_solver.python.model_builder", "torch"):
+    """Import what the first solve and the first model refit would (OR-Tools with pandas, scipy's
+    optimiser), so that `greenflow serve` starts without them and no tick waits for them."""
+    for module in ("ortools.linear_solver.python.model_builder", "scipy.optimize"):
         importlib.import_module(module)
 
 
@@ -496,7 +497,7 @@ class ControlLoop:
             now,
             rows,
             # A spanning job is not placed across a node silent for three heartbeats.
-            span_fresh_s=3 * self.config.cluster.agent_heartbeat_interval_s,
+            span_fresh_s=span_fresh_s(self.config),
         )
         record_deadline_risks(session, planning.problem, plan, rows, now)
         if changed:

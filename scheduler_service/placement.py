@@ -13,7 +13,8 @@ With `move_jobs`, a job that would be placed short because the free GPUs are sca
 nodes gets a node made whole for it instead: it moves to a node with room, or jobs inside one
 node move, whole and at their counts, off a node onto others' free GPUs (fewest jobs moved, then
 fewest GPUs; the job's own node first). Each move is in `Placed.moved` with its reason: it costs
-the moved job a switch across nodes.
+the moved job a switch across nodes. `movable` limits which jobs holding slots may move (the live
+service moves none: `NodeFacts`); jobs without slots are placed wherever makes room.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def place_jobs(
     span_nodes: bool = False,
     spannable: Collection[int] | None = None,
     move_jobs: bool = False,
+    movable: Collection[int] | None = None,
 ) -> Placed:
     """Placement for every job in `targets` (GPU counts), honouring `order` (most important first).
 
@@ -117,7 +119,8 @@ def place_jobs(
     to the largest allowed count that can (possibly 0), with the reason in `short`.
     `spannable`: the nodes a job may span (their agents reach each other; None: every node);
     a job inside one node may sit on any node. `move_jobs`: a job that would be placed short
-    gets a node made whole for it by moving jobs (`_make_room`), recorded in `moved`.
+    gets a node made whole for it by moving jobs (`_make_room`), recorded in `moved`;
+    `movable`: the jobs holding slots in `current` that may move (None: every one).
     """
     capacity = {n.node_id: len(n.slot_indices) for n in nodes}
     span_ok = set(spannable) if spannable is not None else {n.node_id for n in nodes}
@@ -134,6 +137,8 @@ def place_jobs(
             held[job_id] = ready
             for n, slots in ready:
                 free[n] = [i for i in free[n] if i not in slots]
+    # Jobs holding slots that may move to make room for another (a job without slots always may).
+    may_move = frozenset(held) if movable is None else frozenset(held).intersection(movable)
     # Shrinking and stopping first, so their slots are free for the others.
     for job_id in order:
         mine = held.get(job_id)
@@ -168,8 +173,6 @@ def place_jobs(
             {g for g in allowed.get(job_id, (target,)) if 0 < g <= target}, reverse=True
         ) or ([target] if target else [])
         mine = held.get(job_id)
-        # The free slots before this job took any: where moving jobs starts from.
-        before = {n: list(s) for n, s in free.items()} if move_jobs else None
         if mine is not None:
             placement, why = _grow(mine, target, counts, step, free, span_nodes, span_ok)
         else:
@@ -180,8 +183,15 @@ def place_jobs(
                 out.placements[job_id] = Placement(home_id, taken)
                 continue
             placement, why = _place_new(target, counts, step, free, span_nodes, span_ok)
-        if before is not None and placement.gpus < target:
-            made = _make_room(job_id, target, mine, before, capacity, out, held)
+        if move_jobs and placement.gpus < target:
+            # The free slots before this job took any: where moving jobs starts from (copied
+            # only for a job placed short, not for every job of a long queue).
+            before = _give_back(free, placement, mine)
+            made = (
+                _make_room(job_id, target, mine, before, capacity, out, held, may_move, home)
+                if target % step == 0  # whole tensor-parallel groups, as every placement
+                else None
+            )
             if made is not None:
                 free, placement = before, made
         out.placements[job_id] = placement
@@ -201,6 +211,7 @@ def place_plan(
     span_nodes: bool = False,
     spannable: Collection[int] | None = None,
     move_jobs: bool = False,
+    movable: Collection[int] | None = None,
 ) -> dict[int, tuple[int, ...]]:
     """The GPU counts each slot of a plan (`gpus`: counts per job and slot) runs at once placed:
     `place_jobs` on every slot in turn, each from where the slot before left the jobs."""
@@ -215,7 +226,17 @@ def place_plan(
             # placement, not searched again (a plan's counts hold for long stretches).
             before = current
             current = place_jobs(
-                targets, current, nodes, allowed, order, homes, tp, span_nodes, spannable, move_jobs
+                targets,
+                current,
+                nodes,
+                allowed,
+                order,
+                homes,
+                tp,
+                span_nodes,
+                spannable,
+                move_jobs,
+                movable,
             ).placements
             settled = t > 0 and targets == last and current == before
         last = targets
@@ -227,15 +248,35 @@ def place_plan(
     return {job_id: tuple(row) for job_id, row in rows.items()}
 
 
+# The jobs holding slots that the live service's placement may move to another node: none. The
+# dispatcher sends a job one command, to its new node, while the old node's agent keeps running it
+# (it is stopped there only after the new node acknowledged), so the job the move made room for
+# would find the old slots still held, and the moved one would restart from its last periodic
+# checkpoint. Jobs without slots (queued, paused) are placed wherever makes room.
+LIVE_MOVABLE: frozenset[int] = frozenset()
+
+
 @dataclass(frozen=True)
 class NodeFacts:
-    """The ready nodes as the loop places jobs on them (`dispatch/service.decide`): their slots,
-    the nodes a job may span, where each job holds slots now, and jobs' tensor-parallel degrees."""
+    """The ready nodes as the loop places jobs on them: their slots, the nodes a job may span,
+    where each job holds slots now, paused jobs' home nodes, and jobs' tensor-parallel degrees.
+
+    `place` (the dispatcher, `dispatch/service.decide`) and `place_rows` (admission's check of a
+    plan) place with the same rules: jobs keep their slots, a paused job goes back to its home
+    node, a job spans only the spannable nodes in whole tensor-parallel groups, and a count that
+    fits on no node as jobs sit gets a node made whole for it by moving jobs that hold no slots
+    (`LIVE_MOVABLE`: a running job never moves, see `docs/service.md`). The simulator places
+    through it too (`simulate/engine.NodePlacer`), where `move_jobs` and `movable` can be set to
+    ask what other rules would give.
+    """
 
     nodes: tuple[NodeSlots, ...] = ()
     spannable: frozenset[int] = frozenset()
     current: Mapping[int, Placement] = field(default_factory=dict)
     tp: Mapping[int, int] = field(default_factory=dict)
+    homes: Mapping[int, int] = field(default_factory=dict)
+    move_jobs: bool = True
+    movable: frozenset[int] | None = LIVE_MOVABLE
 
     def pooled(self) -> bool:
         """Whether placement holds every count that fits pooled capacity: one ready node, or
@@ -243,23 +284,63 @@ class NodeFacts:
         one_pool = len(self.nodes) <= 1 or all(n.node_id in self.spannable for n in self.nodes)
         return one_pool and all(d <= 1 for d in self.tp.values())
 
+    def place(
+        self, targets: Mapping[int, int], allowed: Mapping[int, Sequence[int]], order: Sequence[int]
+    ) -> Placed:
+        """One slot's counts (`targets`) placed from where the jobs are now, as the loop sends
+        them."""
+        return place_jobs(
+            targets,
+            {j: self.current.get(j, NOWHERE) for j in targets},
+            self.nodes,
+            allowed,
+            order,
+            home=self.homes,
+            tp=self.tp,
+            span_nodes=True,
+            spannable=self.spannable,
+            move_jobs=self.move_jobs,
+            movable=self.movable,
+        )
+
     def place_rows(
         self,
         gpus: Mapping[int, Sequence[int]],
         allowed: Mapping[int, Sequence[int]],
         order: Sequence[int],
     ) -> dict[int, tuple[int, ...]]:
-        """`place_plan` of `gpus` from where the jobs are now, as the loop places them."""
+        """`place_plan` of `gpus` from where the jobs are now, each slot placed as `place`
+        places it."""
         return place_plan(
             gpus,
             {j: self.current.get(j, NOWHERE) for j in gpus},
             self.nodes,
             allowed,
             order,
+            home=self.homes,
             tp=self.tp,
             span_nodes=True,
             spannable=self.spannable,
+            move_jobs=self.move_jobs,
+            movable=self.movable,
         )
+
+
+def job_placement(by_node: Mapping[int, Sequence[int]], own: int | None) -> Placement:
+    """A job's placement from its slot indices per node: `own` (its newest command's node, where
+    its runner is) first where it holds slots there, else the node holding most of them."""
+    if not by_node:
+        return NOWHERE
+    first = (
+        own
+        if own is not None and own in by_node
+        else min(by_node, key=lambda n: (-len(by_node[n]), n))
+    )
+    return Placement(
+        first,
+        tuple(sorted(by_node[first])),
+        tuple((n, tuple(sorted(ix))) for n, ix in sorted(by_node.items()) if n != first),
+    )
 
 
 def lost_once_placed(
@@ -293,6 +374,17 @@ def tp_degree(layout: str | None) -> int:
         if part.startswith("tp") and part[2:].isdigit():
             return max(1, int(part[2:]))
     return 1
+
+
+def _give_back(
+    free: Mapping[int, list[int]], placement: Placement, mine: list[Part] | None
+) -> dict[int, list[int]]:
+    """A copy of `free` with the slots `placement` took (those not in `mine`) free again."""
+    out = {n: list(s) for n, s in free.items()}
+    had = {(n, i) for n, slots in mine or () for i in slots}
+    for n, slots in placement.parts:
+        out[n] = sorted([*out[n], *(i for i in slots if (n, i) not in had)])
+    return out
 
 
 def _most_free(free: dict[int, list[int]], skip: set[int]) -> list[int]:
@@ -402,11 +494,15 @@ def _make_room(
     capacity: Mapping[int, int],
     out: Placed,
     held: dict[int, list[Part]],
+    may_move: frozenset[int],
+    home: Mapping[int, int] | None,
 ) -> Placement | None:
     """`job_id` whole on one node at `target` GPUs, made room for by moving jobs, or None.
 
     `free` is as before the job took any slots. Jobs inside one node may move whole, at the
-    counts they have now, to other nodes; the job itself may leave its node. The search takes
+    counts they have now, to other nodes (those holding slots before this pass only if in
+    `may_move`; a paused job moved off its `home` node is recorded as moved too); the job itself
+    may leave its node if it may move. The search takes
     the fewest jobs moved (up to `MOVE_MOST_JOBS`), then the fewest GPUs moved, the job's own
     node first; it is exact within those bounds (every set of jobs, every packing). On success
     `free`, `out` (placements, `moved`) and `held` are updated; else nothing is.
@@ -420,14 +516,25 @@ def _make_room(
     inside: dict[int, Part] = {}
     # A job moves at most once a pass.
     for other, where in out.placements.items():
-        if other not in (job_id, *out.moved) and where.node_id is not None and not where.others:
+        if (
+            other not in (job_id, *out.moved)
+            and where.node_id is not None
+            and not where.others
+            and (other not in held or other in may_move)
+        ):
             inside[other] = (where.node_id, where.slot_indices)
     for other, parts in held.items():
-        if other not in (job_id, *out.moved, *out.placements) and len(parts) == 1:
+        if (
+            other not in (job_id, *out.moved, *out.placements)
+            and len(parts) == 1
+            and other in may_move
+        ):
             inside[other] = parts[0]
     rooms = {n: len(s) for n, s in free.items()}
     if own is not None:
         rooms[own] += len(own_slots)  # the job's own slots are room for it wherever it goes
+    if sum(rooms.values()) < target:
+        return None  # moving jobs frees no GPUs: not enough free in all
     candidates = sorted(
         inside, key=lambda k: (-rooms[inside[k][0]], inside[k][0], len(inside[k][1]), k)
     )[:MOVE_CANDIDATES]
@@ -446,12 +553,14 @@ def _make_room(
             for node in sorted(left, key=lambda n: (n != own, left[n], n)):
                 if left[node] < target or capacity[node] < target:
                     continue
+                if own is not None and node != own and job_id not in may_move:
+                    continue  # it holds slots it may not leave: room only on its own node
                 left[node] -= target
                 fit = _pack({k: sizes[k] for k in subset}, left, {k: inside[k][0] for k in subset})
                 left[node] += target
                 if fit is not None:
                     return _apply_moves(
-                        job_id, target, own, own_slots, node, fit, inside, free, out, held
+                        job_id, target, own, own_slots, node, fit, inside, free, out, held, home
                     )
     return None
 
@@ -467,6 +576,7 @@ def _apply_moves(
     free: dict[int, list[int]],
     out: Placed,
     held: dict[int, list[Part]],
+    home: Mapping[int, int] | None,
 ) -> Placement:
     """Move the jobs of `fit` (job -> node) and place `job_id` on `node` (`_make_room`)."""
     for other in fit:
@@ -487,6 +597,13 @@ def _apply_moves(
         else:
             held[other] = [(to, taken)]
         if other not in held:
+            if (home or {}).get(other) == at:
+                # Its paused state is in its home node's memory: elsewhere it resumes from its
+                # newest checkpoint (or, with none, from step 0), which its start then reports.
+                out.moved[other] = (
+                    f"placed on node {to}, not on its home node {at} where its paused state is, "
+                    f"to make room for job {job_id}'s {target} GPUs on node {node}"
+                )
             continue  # not running before this pass: placed elsewhere, not moved
         out.moved[other] = (
             f"moved whole from node {at} to node {to} to make room for job {job_id}'s "

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from statistics import NormalDist
 
 from sqlalchemy.orm import Session
@@ -37,11 +37,12 @@ from scheduler_service.budget.ledger import (
     spent_team_queues,
     team_periods_for_horizon,
 )
-from scheduler_service.db.models import Job, Node, Plan
+from scheduler_service.db.models import Allocation, Job, Node, Plan
+from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.repository import JobRepository, PlanRow
 from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
-from scheduler_service.placement import NodeFacts, NodeSlots, Placement, tp_degree
+from scheduler_service.placement import NodeFacts, NodeSlots, Placement, job_placement, tp_degree
 from scheduler_service.settings import GreenflowConfig
 from scheduler_service.telemetry.repository import TelemetryRepository
 from scheduler_service.telemetry.service import total_samples_of
@@ -57,7 +58,7 @@ class JobModels:
     the newest samples of a job new to the models, and for the others the samples stored since
     the last read (by sample id; one committed out of id order by a concurrent writer may be
     skipped, and the fit has hundreds). The refits (`fitted`) run after that transaction, a job's
-    at most once per `refit_interval_s` (a refit takes tens of ms: at every tick for every
+    at most once per `refit_interval_s` (a refit takes 8-12 ms: at every tick for every
     running job it would outgrow the solve); its new samples wait in the fitter's buffer.
     """
 
@@ -366,34 +367,103 @@ def read_rows(
         frozenset(deprioritised),
         team_windows,
         spannable,
-        _node_facts(nodes, chosen),
+        _node_facts(session, nodes, chosen, now, span_fresh_s(config)),
     )
 
 
 def _node_facts(
-    nodes: Sequence[Node], chosen: Sequence[tuple[PlanRow, tuple[int, ...], int]]
+    session: Session,
+    nodes: Sequence[Node],
+    chosen: Sequence[tuple[PlanRow, tuple[int, ...], int]],
+    now: datetime,
+    fresh_s: float,
 ) -> NodeFacts:
-    """The ready nodes (already read) as placement sees them: a job's own node is the one
-    holding most of its slots (the loop takes its newest command's node: one more query)."""
+    """The ready nodes (already read) as the loop's placement sees them (`node_facts`); the
+    planned jobs' newest commands in one query (none without a ready node)."""
     by_job: dict[int, dict[int, list[int]]] = {}
     for node in nodes:
         for slot in node.slots:
             if slot.job_id is not None:
                 by_job.setdefault(slot.job_id, {}).setdefault(node.id, []).append(slot.index)
-    current = {}
-    for job_id, parts in by_job.items():
-        ordered = sorted(parts.items(), key=lambda p: (-len(p[1]), p[0]))
-        current[job_id] = Placement(
-            ordered[0][0],
-            tuple(sorted(ordered[0][1])),
-            tuple((n, tuple(sorted(ix))) for n, ix in ordered[1:]),
-        )
+    # A queued job that holds no slots has no home node to go back to (a queued job was never
+    # paused, or was re-queued after its node was lost): no command of it is read.
+    ids = [
+        job.id
+        for job, _, _ in chosen
+        if nodes and (job.id in by_job or JobState(job.state) is not JobState.QUEUED)
+    ]
+    newest, newest_acked = AllocationRepository(session).newest_and_newest_acked(ids)
+    current = {
+        job_id: job_placement(parts, last.node_id if (last := newest.get(job_id)) else None)
+        for job_id, parts in by_job.items()
+    }
+    return node_facts(
+        nodes,
+        current,
+        newest_acked,
+        {job.id: d for job, _, _ in chosen if (d := tp_degree(job.current_layout)) > 1},
+        spannable_nodes(nodes, now, fresh_s),
+    )
+
+
+def node_facts(
+    nodes: Sequence[Node],
+    current: Mapping[int, Placement],
+    newest_acked: Mapping[int, Allocation],
+    tp: Mapping[int, int],
+    spannable: Collection[int],
+) -> NodeFacts:
+    """What placement works on, as the loop (`dispatch.decide`) and admission (the snapshot)
+    both build it: the ready nodes' slots, where jobs hold slots (`current`), the home node of
+    every paused job (`pause_homes`) and the jobs' tensor-parallel degrees."""
     return NodeFacts(
         nodes=tuple(NodeSlots(n.id, tuple(s.index for s in n.slots)) for n in nodes),
-        spannable=frozenset(n.id for n in nodes if n.rendezvous_host and n.worker_host_port),
+        spannable=frozenset(spannable),
         current=current,
-        tp={job.id: d for job, _, _ in chosen if (d := tp_degree(job.current_layout)) > 1},
+        tp=tp,
+        homes=pause_homes(newest_acked, current),
     )
+
+
+def pause_homes(
+    newest_acked: Mapping[int, Allocation], current: Mapping[int, Placement]
+) -> dict[int, int]:
+    """Node of each paused job's acknowledged pause (for jobs holding no slots): its agent holds
+    the job's state in memory."""
+    return {
+        job_id: last.node_id
+        for job_id, last in newest_acked.items()
+        if job_id not in current and last.gpus == 0 and last.node_id is not None
+    }
+
+
+def span_fresh_s(config: GreenflowConfig) -> float:
+    """How recently a node must have been heard from for a job to span onto it: three heartbeat
+    intervals (a node that just died under a spanning job is not chosen again while its
+    heartbeats time out)."""
+    return 3 * config.cluster.agent_heartbeat_interval_s
+
+
+def spannable_nodes(nodes: Iterable[Node], now: datetime, fresh_s: float | None) -> frozenset[int]:
+    """The ready nodes a job may span: their agents advertised an address the others reach, and
+    (`fresh_s`) were heard from this recently."""
+    return frozenset(
+        n.id
+        for n in nodes
+        if n.rendezvous_host
+        and n.worker_host_port
+        and (fresh_s is None or heard_within(n, now, fresh_s))
+    )
+
+
+def heard_within(node: Node, now: datetime, seconds: float) -> bool:
+    """Whether the node's last heartbeat is at most `seconds` before `now`."""
+    last = node.last_heartbeat_at
+    if last is None:
+        return False
+    if last.tzinfo is None:  # SQLite hands back naive UTC
+        last = last.replace(tzinfo=UTC)
+    return (now - last).total_seconds() <= seconds
 
 
 def assemble_snapshot(

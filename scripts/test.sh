@@ -10,7 +10,7 @@ export GREENFLOW_TEST_POSTGRES_URL="${GREENFLOW_TEST_POSTGRES_URL:-postgresql+ps
 
 echo "== ruff"; ruff check .
 ruff format --check scheduler_service energy_model worker_agent tests bench migrations
-echo "== mypy"; mypy scheduler_service energy_model worker_agent tests bench
+echo "== mypy"; mypy scheduler_service energy_model worker_agent tests bench migrations examples
 echo "== alembic (upgrade + check, SQLite)"
 tmpdb="$(mktemp -d)/check.db"
 GREENFLOW_DATABASE_URL="sqlite:///$tmpdb" greenflow db upgrade

@@ -599,7 +599,9 @@ class Agent:
         if job is None:
             return
         with job.lock:
-            if job.state in ("running", "paused", "idle"):
+            if job.reached_end():
+                self._finish(job)  # its SUCCEEDED came from its last samples: export it first
+            elif job.state in ("running", "paused", "idle"):
                 self._cut(job)
                 job.stop()
                 log.info("job %d stopped: the scheduler no longer wants it here", job_id)

@@ -64,7 +64,7 @@ def _torchvision_model() -> nn.Module:
 def _transformers_model(width: int) -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    config = ResNetConfig(
+    config = ResNetConfig(  # type: ignore[call-arg]  # the label fields are PretrainedConfig's
         embedding_size=width,
         hidden_sizes=[width, 2 * width, 4 * width, 8 * width],
         depths=[1, 1, 1, 1],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
@@ -22,8 +22,15 @@ from scheduler_service.jobs.repository import JobRepository, PlanRow
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, transition
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.nodes.secrets import NodeSecrets
-from scheduler_service.placement import NOWHERE, NodeSlots, Placed, Placement, place_jobs, tp_degree
-from scheduler_service.planning import PlanningInput, plan_facts
+from scheduler_service.placement import (
+    NOWHERE,
+    NodeFacts,
+    Placed,
+    Placement,
+    job_placement,
+    tp_degree,
+)
+from scheduler_service.planning import PlanningInput, node_facts, plan_facts, spannable_nodes
 from scheduler_service.telemetry.service import total_samples_of
 from worker_agent.protocol import (
     AllocationAck,
@@ -50,45 +57,15 @@ class Delivery:
 def _current_placements(
     session: Session, job_ids: list[int], newest: dict[int, Allocation]
 ) -> dict[int, Placement]:
-    """Where each job holds slots: its own node (the newest command's, where its runner is)
-    first, then its parts on further nodes."""
+    """Where each job holds slots (`placement.job_placement`: its newest command's node first)."""
     out: dict[int, Placement] = {}
     for job_id, slots in NodeRepository(session).slots_of_jobs(job_ids).items():
         by_node: dict[int, list[int]] = {}
         for slot in slots:
             by_node.setdefault(slot.node_id, []).append(slot.index)
         last = newest.get(job_id)
-        own = last.node_id if last is not None and last.node_id in by_node else slots[0].node_id
-        assert own is not None
-        out[job_id] = Placement(
-            own,
-            tuple(by_node.pop(own)),
-            tuple((n, tuple(ix)) for n, ix in sorted(by_node.items())),
-        )
+        out[job_id] = job_placement(by_node, last.node_id if last is not None else None)
     return out
-
-
-def _heard_within(node: Node, now: datetime, seconds: float) -> bool:
-    last = node.last_heartbeat_at
-    if last is None:
-        return False
-    if last.tzinfo is None:  # SQLite hands back naive UTC
-        last = last.replace(tzinfo=UTC)
-    return (now - last).total_seconds() <= seconds
-
-
-def _pause_homes(
-    newest_acked: Mapping[int, Allocation], job_ids: list[int], current: dict[int, Placement]
-) -> dict[int, int]:
-    """Node of each paused job's acknowledged pause: its agent holds the job's state in memory."""
-    return {
-        job_id: last.node_id
-        for job_id in job_ids
-        if job_id not in current
-        and (last := newest_acked.get(job_id)) is not None
-        and last.gpus == 0
-        and last.node_id is not None
-    }
 
 
 def _why_not_now(plan: AllocationPlan, job_id: str, budget_left_kg: float) -> str:
@@ -225,17 +202,8 @@ def decide(
     allocations = AllocationRepository(session)
     # One read of the newest command and the newest acknowledged one of every planned job.
     newest, newest_acked = allocations.newest_and_newest_acked(job_ids)
-    current = _current_placements(session, job_ids, newest)
-    ready = NodeRepository(session).nodes_with_slots(ready_only=True)
-    nodes = [NodeSlots(n.id, tuple(s.index for s in n.slots)) for n in ready]
-    # Nodes whose agents advertised an address the others reach: a job may span these.
-    spannable = {
-        n.id
-        for n in ready
-        if n.rendezvous_host
-        and n.worker_host_port
-        and (span_fresh_s is None or _heard_within(n, now, span_fresh_s))
-    }
+    facts = loop_node_facts(session, job_ids, rows, newest, newest_acked, now, span_fresh_s)
+    current = facts.current
     allowed = {
         int(k): spec.allowed_gpus
         for k, spec in zip(planning.jobs, planning.problem.jobs, strict=True)
@@ -249,21 +217,12 @@ def decide(
             j,
         ),
     )
-    # A job that fits on no single node spans nodes that advertised a rendezvous address (its
-    # TP groups stay inside a node: each part a multiple of its current TP degree); a count
-    # placement cannot hold comes back lowered with the reason, which the command and the
-    # job's event carry.
-    placed = place_jobs(
-        targets,
-        current,
-        nodes,
-        allowed,
-        order,
-        home=_pause_homes(newest_acked, job_ids, current),
-        tp={j: tp_degree(rows[j].current_layout) for j in job_ids if j in rows},
-        span_nodes=True,
-        spannable=spannable,
-    )
+    # The loop's placement (`NodeFacts.place`): a job that fits on no single node spans nodes
+    # that advertised a rendezvous address (its TP groups stay inside a node); a count that fits
+    # on no node as jobs sit gets a node made whole by placing jobs without slots elsewhere; a
+    # count it cannot hold comes back lowered with the reason, which the command and the job's
+    # event carry.
+    placed = facts.place(targets, allowed, order)
     placements = placed.placements
     # Only the jobs this tick writes are loaded and locked (in one query): at 5,000 queued jobs
     # loading and locking every planned row was most of the write step, and nearly all of them
@@ -303,6 +262,27 @@ def decide(
     return changed
 
 
+def loop_node_facts(
+    session: Session,
+    job_ids: list[int],
+    rows: Mapping[int, PlanRow],
+    newest: dict[int, Allocation],
+    newest_acked: Mapping[int, Allocation],
+    now: datetime,
+    span_fresh_s: float | None,
+) -> NodeFacts:
+    """What the loop places the planned jobs on (`node_facts`), read in the writing transaction:
+    admission's check places plans on the same facts, read by its snapshot (`planning`)."""
+    ready = NodeRepository(session).nodes_with_slots(ready_only=True)
+    return node_facts(
+        ready,
+        _current_placements(session, job_ids, newest),
+        newest_acked,
+        {j: d for j in job_ids if j in rows and (d := tp_degree(rows[j].current_layout)) > 1},
+        spannable_nodes(ready, now, span_fresh_s),
+    )
+
+
 def _moves(new: Placement, old: Placement | None, last: Allocation | None) -> bool:
     """Whether a job's placement changes: it moves, or a command still in flight asks another
     count than the plan's."""
@@ -314,7 +294,7 @@ def _decide_job(
     session: Session,
     job: Job,
     placements: dict[int, Placement],
-    current: dict[int, Placement],
+    current: Mapping[int, Placement],
     newest: dict[int, Allocation],
     planning: PlanningInput,
     plan: AllocationPlan,
@@ -336,15 +316,29 @@ def _decide_job(
         assigned.extend((node_id, index, job_id) for node_id, ix in new.parts for index in ix)
     if last is not None and last.status in ("pending", "unreachable"):
         last.status = "superseded"
+    generation = last.generation + 1 if last is not None else 1
     reason = f"plan: {old.gpus} -> {new.gpus} GPUs"
     if new.others:
         reason += f" on {len(new.parts)} nodes"
     if job_id in placed.short:
         reason += f" ({placed.short[job_id]})"
+    if job_id in placed.moved:
+        # Placed away from its home node to make room for another job's planned count: it
+        # resumes from its newest checkpoint, not its paused state (the start's event says from
+        # where, and what is trained again).
+        reason += f"; {placed.moved[job_id]}"
+        jobs_repo.add_event(
+            JobEvent(
+                job_id=job_id,
+                kind="placement_move",
+                reason=f"placement: {placed.moved[job_id]}",
+                details={"node": new.node_id, "gpus": new.gpus, "generation": generation},
+            )
+        )
     session.add(
         Allocation(
             job_id=job_id,
-            generation=last.generation + 1 if last is not None else 1,
+            generation=generation,
             node_id=new.node_id if new.node_id is not None else old.node_id,
             gpus=new.gpus,
             slot_indices=list(new.slot_indices),
@@ -619,8 +613,35 @@ def record_failure(session: Session, allocation_id: int, error: str, *, rejected
     allocation.status = "rejected" if rejected else "unreachable"
     allocation.error = error[:2000]
     if rejected:
+        _restore_acked_slots(session, allocation)
         job = JobRepository(session).get(allocation.job_id)
         if job is not None and JobState(job.state) is JobState.RESIZING:
             JobRepository(session).add_event(
                 transition(job, JobState.RUNNING, reason=f"resize refused by agent: {error[:200]}")
             )
+
+
+def _restore_acked_slots(session: Session, refused: Allocation) -> None:
+    """After an agent refused a job's newest command, the job holds again the slots of its
+    newest acknowledged one: what the agent still runs.
+
+    The tick that staged the refused command gave the job its slots at once; left so, the next
+    tick would see the job already placed as planned and never send it again, while the agent
+    ran it on its old slots (or not at all) and the new ones stayed idle."""
+    allocations = AllocationRepository(session)
+    newest = allocations.newest_by_job([refused.job_id]).get(refused.job_id)
+    if newest is not None and newest.id != refused.id:
+        return  # a newer command already decides where the job goes
+    nodes = NodeRepository(session)
+    acked = allocations.newest_by_job([refused.job_id], acked=True).get(refused.job_id)
+    if acked is None or acked.gpus == 0 or acked.node_id is None:
+        nodes.release_job(refused.job_id)
+        return
+    parts = [(acked.node_id, list(acked.slot_indices))]
+    parts += [(int(node_id), list(indices)) for node_id, indices in acked.parts or []]
+    ready = {
+        n.id for n in nodes.get_many(sorted({n for n, _ in parts})).values() if n.state == "ready"
+    }
+    # The agent's truth wins over a slot the same tick gave another job: that job's own
+    # command is then refused by the agent in turn and rolled back the same way.
+    nodes.assign_parts([(n, ix) for n, ix in parts if n in ready], refused.job_id)

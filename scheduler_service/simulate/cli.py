@@ -360,8 +360,18 @@ def simulate(
         typer.Option(
             "--no-placement-moves",
             help=(
-                "With --placement nodes: placement never moves a running job to another node to"
-                " make room (counts that fit on no node as jobs sit are lowered)."
+                "With --placement nodes: placement never places a job on another node to make"
+                " room (counts that fit on no node as jobs sit are lowered)."
+            ),
+        ),
+    ] = False,
+    placement_moves_running: Annotated[
+        bool,
+        typer.Option(
+            "--placement-moves-running",
+            help=(
+                "With --placement nodes: placement may move running jobs too to make room (the"
+                " live service moves only jobs that hold no GPUs: queued and paused ones)."
             ),
         ),
     ] = False,
@@ -445,6 +455,7 @@ def simulate(
             placement=cast(Literal["pooled", "nodes"], placement),
             spannable_nodes=spannable_nodes,
             placement_moves=not no_placement_moves,
+            placement_moves_running=placement_moves_running,
             time_limit_s=time_limit_s,
             seed=seed,
         )

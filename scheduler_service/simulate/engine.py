@@ -52,12 +52,12 @@ from scheduler_service.allocation.snapshot import (
     plan_job,
 )
 from scheduler_service.placement import (
+    LIVE_MOVABLE,
     NOWHERE,
+    NodeFacts,
     NodeSlots,
     Placement,
     lost_once_placed,
-    place_jobs,
-    place_plan,
 )
 from scheduler_service.settings import ClusterConfig, PlannerConfig, default_budget_check_s
 from scheduler_service.simulate.switch_cost import SwitchCostModel, model_params
@@ -173,8 +173,11 @@ class SimulationConfig:
     spannable_nodes: int | None = None
     # With "nodes": placement may move jobs whole to another node to make room for a count that
     # fits on no node as jobs sit (`placement.place_jobs(move_jobs=True)`); each move costs the
-    # moved job a switch.
+    # moved job a switch. As the live service: only jobs holding no slots (queued, paused) move.
     placement_moves: bool = True
+    # With "nodes" and `placement_moves`: running jobs may move too (the live service does not
+    # move them: `placement.LIVE_MOVABLE`), to measure what such moves would give.
+    placement_moves_running: bool = False
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -458,7 +461,14 @@ def placement_label(config: SimulationConfig) -> str:
     return (
         f"nodes {config.num_nodes}x{config.gpus_per_node}, "
         f"{spannable if spannable > 1 else 0} spannable"
-        + (", jobs moved to make room" if config.placement_moves else "")
+        + (
+            (
+                ", jobs moved to make room"
+                + ("" if config.placement_moves_running else " (not running ones)")
+            )
+            if config.placement_moves
+            else ""
+        )
     )
 
 
@@ -514,16 +524,10 @@ class NodePlacer:
         for job_id in targets:
             self.ids.setdefault(job_id, len(self.ids))
         by_id = {self.ids[j]: j for j in targets}
-        placed = place_jobs(
+        placed = self._facts().place(
             {self.ids[j]: gpus for j, gpus in targets.items()},
-            {i: self.placements.get(i, NOWHERE) for i in by_id},
-            self._nodes(),
             {self.ids[j]: states[j].seen.allowed_gpus for j in targets},
             [self.ids[j] for j in sorted(targets, key=lambda j: self._rank(j, states))],
-            home=self.homes,
-            span_nodes=True,
-            spannable=range(len(self.config.spannable_gpus)),
-            move_jobs=self.config.placement_moves,
         )
         before = self.placements
         self.placements = {i: placed.placements.get(i, NOWHERE) for i in by_id}
@@ -567,24 +571,30 @@ class NodePlacer:
         """The counts of every slot of `gpus` as placement runs them, from where jobs are now."""
         for job_id in gpus:
             self.ids.setdefault(job_id, len(self.ids))
-        rows = place_plan(
+        rows = self._facts().place_rows(
             {self.ids[j]: row for j, row in gpus.items()},
-            {self.ids[j]: self.placements.get(self.ids[j], NOWHERE) for j in gpus},
-            self._nodes(),
             {self.ids[j]: states[j].seen.allowed_gpus for j in gpus},
             [self.ids[j] for j in sorted(gpus, key=lambda j: self._rank(j, states))],
-            home=self.homes,
-            span_nodes=True,
-            spannable=range(len(self.config.spannable_gpus)),
-            move_jobs=self.config.placement_moves,
         )
         return {j: rows[self.ids[j]] for j in gpus}
 
-    def _nodes(self) -> list[NodeSlots]:
-        return [
-            NodeSlots(n, tuple(range(self.config.gpus_per_node)))
-            for n in range(self.config.num_nodes)
-        ]
+    def _facts(self) -> NodeFacts:
+        """The nodes and where jobs are, as the live service's placement takes them."""
+        config = self.config
+        return NodeFacts(
+            nodes=tuple(
+                NodeSlots(n, tuple(range(config.gpus_per_node))) for n in range(config.num_nodes)
+            ),
+            spannable=frozenset(range(len(config.spannable_gpus))),
+            current={i: p for i, p in self.placements.items() if p.node_id is not None},
+            homes={
+                i: n
+                for i, n in self.homes.items()
+                if self.placements.get(i, NOWHERE).node_id is None
+            },
+            move_jobs=config.placement_moves,
+            movable=None if config.placement_moves_running else LIVE_MOVABLE,
+        )
 
     def _rank(self, job_id: str, states: dict[str, _JobState]) -> tuple[float, int]:
         """Placement order: earlier deadline first, then earlier arrival (the dispatcher's)."""

@@ -31,7 +31,10 @@ def job():
 """
 
 
-def test_a_stop_for_a_job_that_trained_everything_still_exports_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["stop command", "heartbeat stop list"])
+def test_a_stop_for_a_job_that_trained_everything_still_exports_it(
+    tmp_path: Path, how: str
+) -> None:
     # The job's workdir bundle, already in the agent's cache (so no scheduler is asked for it).
     sha = "ab" * 32
     code = tmp_path / "agent" / "bundles" / sha
@@ -68,9 +71,12 @@ def test_a_stop_for_a_job_that_trained_everything_still_exports_it(tmp_path: Pat
             assert time.monotonic() < deadline, f"the job stayed at step {job.step}"
             time.sleep(0.2)
 
-        stopped = agent.stop_job(StopCommand(job_id=1, generation=2, reason="job is SUCCEEDED"))
+        if how == "stop command":
+            stopped = agent.stop_job(StopCommand(job_id=1, generation=2, reason="job is SUCCEEDED"))
+            assert stopped.gpus == 0 and stopped.step == 6
+        else:
+            agent.stop_unwanted(1)  # a heartbeat's answer names the job, now SUCCEEDED
 
-        assert stopped.gpus == 0 and stopped.step == 6
         assert job.state == "finished"
         export = tmp_path / "agent" / "exports" / "job-1"
         assert (export / "greenflow.json").is_file() and (export / "model.safetensors").is_file()

@@ -53,8 +53,21 @@ def test_lazy_commands_load_when_run(command: str) -> None:
 
 
 def test_app_module_loads_no_torch() -> None:
-    # The API imports the model types; the fits (and torch) load when the control loop first fits.
+    # The API imports the model types; the fits load scipy's optimiser when the loop first fits.
     assert _loaded_after("import scheduler_service.app", ("torch",)) == []
+
+
+def test_fitting_a_job_model_needs_no_torch() -> None:
+    # The scheduler fits every job's model from telemetry; torch is the agents' (training) only.
+    statement = (
+        "from datetime import UTC, datetime\n"
+        "from energy_model.job_model import JobModelFitter, TelemetryPoint, prior_job_model\n"
+        "fitter = JobModelFitter(prior_job_model('resnet50', 256, (1, 2, 4)))\n"
+        "point = TelemetryPoint(gpus=2, samples_per_s=900.0, power_w=500.0, at=datetime.now(UTC))\n"
+        "model = fitter.update([point])\n"
+        "assert model.throughput_samples_per_s[2] != fitter.prior.throughput_samples_per_s[2]"
+    )
+    assert _loaded_after(statement, ("torch", "scipy.optimize")) == ["scipy.optimize"]
 
 
 def test_app_module_loads_no_ortools_pandas_or_scipy() -> None:

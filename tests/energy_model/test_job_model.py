@@ -256,3 +256,26 @@ def test_layouts_get_their_own_speed_factor() -> None:
     assert model.throughput_samples_per_s[8] == pytest.approx(
         truth.samples_per_s(8, batch), rel=0.05
     )
+
+
+def test_a_refit_started_from_the_last_fit_finds_the_fit_of_all_its_samples() -> None:
+    # Each refit starts its search where the last one ended (fewer steps); it must land where a
+    # fit of the same samples from the prior does, layouts switching included.
+    batch = 128
+    prior = prior_job_model("gpt2", batch, COUNTS)
+    truth = ThroughputParams(2e-3, 1e-2, 2e-2, 3e-3)
+    data = synthetic_points(truth, PowerParams(54, 250, 0.9), batch, (1, 2, 4, 8), 60)
+    data = [
+        replace(p, layout="dp2-tp2" if i % 5 == 0 else f"dp{p.gpus}") for i, p in enumerate(data)
+    ]
+    online = JobModelFitter(prior)
+    for i in range(0, len(data), 6):
+        online.update(data[i : i + 6])
+    once = JobModelFitter(prior).update(data)
+    model = online.model
+    for g in COUNTS:
+        assert model.throughput_samples_per_s[g] == pytest.approx(
+            once.throughput_samples_per_s[g], rel=1e-5
+        )
+        assert model.power_w[g] == pytest.approx(once.power_w[g], rel=1e-5)
+    assert model.layout_speed_factor == pytest.approx(once.layout_speed_factor, rel=1e-5)

@@ -88,3 +88,13 @@ def test_a_plan_placed_slot_by_slot_runs_what_each_slot_holds() -> None:
     assert rows == {1: (2, 0), 2: (2, 2), 3: (2, 4)}
     spanned = place_plan(gpus, current, nodes, allowed, [1, 2, 3], span_nodes=True)
     assert spanned == gpus
+
+
+def test_making_room_keeps_tensor_parallel_groups_whole() -> None:
+    # 3 GPUs are no whole number of 2-GPU tensor-parallel groups: no placement holds them, and
+    # making room (found by tests/service/test_live_placement_properties.py) must not either.
+    nodes = [NodeSlots(1, (0, 1, 2, 3))]
+    placed = place_jobs(
+        {7: 3}, {}, nodes, {7: (3,)}, [7], tp={7: 2}, span_nodes=True, move_jobs=True
+    )
+    assert placed.placements[7].gpus == 0 and 7 in placed.short

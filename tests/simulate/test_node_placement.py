@@ -34,6 +34,7 @@ def _replay(
     spannable_nodes: int | None = None,
     moves: bool = True,
     switch_cost: str = "measured",
+    moves_running: bool = False,
 ) -> SimulationReport:
     folder = root / "profiles"
     folder.mkdir(exist_ok=True)
@@ -49,6 +50,7 @@ def _replay(
         placement=placement,  # type: ignore[arg-type]
         spannable_nodes=spannable_nodes,
         placement_moves=moves,
+        placement_moves_running=moves_running,
         switch_cost=switch_cost,  # type: ignore[arg-type]
     )
     return simulate_trace(
@@ -77,8 +79,10 @@ def test_a_job_larger_than_any_node_spans_nodes_only_where_spanning_is_allowed(
     # Nodes that may not be spanned: the job gets at most one node (the live service's cap),
     # which is not a lowering: it was planned on 4.
     assert _outcome(inside, "w") == (pytest.approx(6000.0), 0, 1)
-    assert spanning.placement == "nodes 2x4, 2 spannable, jobs moved to make room"
-    assert inside.placement == "nodes 2x4, 0 spannable, jobs moved to make room"
+    assert (
+        spanning.placement == "nodes 2x4, 2 spannable, jobs moved to make room (not running ones)"
+    )
+    assert inside.placement == "nodes 2x4, 0 spannable, jobs moved to make room (not running ones)"
     assert (spanning.jobs_spanning_nodes, inside.jobs_spanning_nodes) == (1, 0)
 
 
@@ -115,9 +119,9 @@ def test_a_count_placement_lowers_is_counted_and_run_as_placed(tmp_path: Path) -
 def test_placement_moves_a_job_to_make_room_and_the_move_costs_it_a_switch(
     tmp_path: Path,
 ) -> None:
-    # As above, inside one node: e's 4 GPUs fit on no node as a..d sit, so placement moves b
-    # (node 0, the first of the two equally free nodes) whole to node 1, where c's 2 GPUs are
-    # free, and e runs on node 0's 4 from its arrival.
+    # As above, inside one node: e's 4 GPUs fit on no node as a..d sit, so placement that may
+    # move running jobs moves b (node 0, the first of the two equally free nodes) whole to node
+    # 1, where c's 2 GPUs are free, and e runs on node 0's 4 from its arrival.
     rows = [
         "a,0,16200,small,,32,2,900",
         "b,0,129600,small,,32,2,7200",
@@ -125,7 +129,13 @@ def test_placement_moves_a_job_to_make_room_and_the_move_costs_it_a_switch(
         "d,0,129600,small,,32,2,7200",
         "e,1800,108000,mid,,32,4,3600",
     ]
-    moved = _replay(tmp_path, rows, "nodes", spannable_nodes=0)
+    # The live service's rule (the default) moves no running job: e runs lowered on 2 until b
+    # ends, as without moves.
+    live = _replay(tmp_path, rows, "nodes", spannable_nodes=0)
+    assert live.placement_moves == 0 and _outcome(live, "e")[1] >= 1
+    assert live.placement == "nodes 2x4, 0 spannable, jobs moved to make room (not running ones)"
+    moved = _replay(tmp_path, rows, "nodes", spannable_nodes=0, moves_running=True)
+    assert moved.placement == "nodes 2x4, 0 spannable, jobs moved to make room"
     assert _outcome(moved, "e") == (pytest.approx(3600.0), 0, 1)
     assert moved.placement_lowered == 0 and moved.placement_moves == 1
     # b pays the switch of 2 new workers on a node that holds none of its state (the measured
@@ -153,14 +163,18 @@ def _state(job_id: str, deadline_s: float | None, allowed: tuple[int, ...]) -> _
     return _JobState(trace=job, tables=tables, seen=tables, remaining_samples=0.0)
 
 
-@pytest.mark.parametrize(("spannable_nodes", "moves"), [(0, False), (0, True), (None, False)])
+@pytest.mark.parametrize(
+    ("spannable_nodes", "moves", "running"),
+    [(0, False, False), (0, True, False), (0, True, True), (None, False, False)],
+)
 def test_admission_promises_only_what_its_plan_keeps_once_placed(
-    spannable_nodes: int | None, moves: bool
+    spannable_nodes: int | None, moves: bool, running: bool
 ) -> None:
     # a and b hold 2 GPUs on nodes 0 and 1 (of 4 each); the new job e needs 4 GPUs (40
     # samples/s) for both 1 s slots to do its 80 samples by its deadline. Pooled (or spanning
     # both nodes) the plan keeps it; inside one node e gets 2 and misses it, unless placement
-    # may move a or b onto the other's node to make room.
+    # may move the running a or b onto the other's node to make room (the live service's
+    # placement does not).
     config = SimulationConfig(
         policy="carbon-agnostic",
         num_nodes=2,
@@ -170,6 +184,7 @@ def test_admission_promises_only_what_its_plan_keeps_once_placed(
         placement="nodes",
         spannable_nodes=spannable_nodes,
         placement_moves=moves,
+        placement_moves_running=running,
     )
     states = {
         "a": _state("a", None, (1, 2)),
@@ -198,7 +213,7 @@ def test_admission_promises_only_what_its_plan_keeps_once_placed(
     )
     assert plan.deadline_met == {"e": True}
     lost = placer.lost_deadlines(problem, plan, {"e"}, states)
-    broken = spannable_nodes == 0 and not moves
+    broken = spannable_nodes == 0 and not running
     assert lost == (["e"] if broken else [])
     decision = AdmissionDecision(True, True, "deadline can be met", plan)
     refused = placer.refuse(decision, problem, {"e"}, states, best_effort=False)
@@ -223,10 +238,20 @@ def test_cli_places_on_nodes_and_names_the_placement_in_its_report(tmp_path: Pat
     result = runner.invoke(_app(), [*base, "--placement", "nodes", "--spannable-nodes", "0"])
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
-    assert payload["placement"] == "nodes 2x4, 0 spannable, jobs moved to make room"
+    assert (
+        payload["placement"] == "nodes 2x4, 0 spannable, jobs moved to make room (not running ones)"
+    )
     assert payload["switch_cost"].startswith("measured: ")
     assert payload["avg_jct_s"] == pytest.approx(6000.0)
     assert payload["jobs_detail"][0]["nodes_max"] == 1
+    running = runner.invoke(
+        _app(),
+        [*base, "--placement", "nodes", "--spannable-nodes", "0", "--placement-moves-running"],
+    )
+    assert running.exit_code == 0, running.output
+    assert json.loads(out.read_text())["placement"] == (
+        "nodes 2x4, 0 spannable, jobs moved to make room"
+    )
     bad = runner.invoke(_app(), [*base, "--placement", "racks"])
     assert bad.exit_code == 2 and "pooled or nodes" in bad.output
     pooled_span = runner.invoke(_app(), [*base, "--spannable-nodes", "1"])
