@@ -25,8 +25,8 @@ target of issue 21 as {"figure", "upper_bound", "goal", "met"}:
 - slack_workload_carbon: 1 - kg of the cleanest GreenFlow slack run whose average JCT is at most
   1.1 x carbon-agnostic's (running as many jobs and meeting as many deadlines) / carbon-agnostic's
   kg; upper_bound: no schedule of the jobs
-  carbon-agnostic runs within that average JCT can save more (each job alone, any count and
-  start in its window, contention ignored, the JCT allowance shared by a Lagrangian over the
+  carbon-agnostic runs within that average JCT can save more (each job alone, one count at a
+  time, any counts and start in its window, contention ignored, the JCT allowance shared by a Lagrangian over the
   jobs); goal 0.8 x the bound.
 "frontier" says, per panel of the chart and baseline run, whether a GreenFlow run is at least as
 good on the panel's figure (deadline ratio, or average JCT where every job runs, or the slack
@@ -157,11 +157,11 @@ def job_options(
     """(JCT s, kg) pairs no schedule of `job` alone can beat: one per finish time F on a
     `grid_s` grid up to its deadline (two days without one).
 
-    kg(F) is a lower bound on the kg of any run finishing by F: samples are bought cheapest
-    first from every (count, hour piece before F) pair at its kg per sample, each pair holding
-    at most the piece's length at that count (a fractional knapsack; letting counts share a piece
-    only loosens it). A run finishing between two grid points has at least the earlier JCT and
-    at least the later point's kg, so each pair is (F_k - r, kg(F_(k+1)))."""
+    kg(F) is a lower bound on the kg of any run finishing by F: the LP that splits each hour
+    piece before F between the job's counts (at most the piece's length in all, as the job runs
+    at one count at a time) and needs every sample done, solved through its dual (`least_kg`).
+    A run finishing between two grid points has at least the earlier JCT and at least the later
+    point's kg, so each pair is (F_k - r, kg(F_(k+1)))."""
     release = job.submission_s
     end = release + 2 * 86_400.0 if job.deadline_s is None else job.deadline_s
     marks = [release, *np.arange((release // 3600 + 1) * 3600, end, 3600.0), end]
@@ -172,21 +172,22 @@ def job_options(
     lengths = np.array([b - a for a, b in pieces])
     kg_per_ws = np.array([clock.kg_per_w(a, b) for a, b in pieces]) / lengths
     rates = np.array(tables.throughput_samples_per_s)
-    joules = np.array(tables.power_w) / rates  # per sample
+    kg_per_s = np.array(tables.power_w)[:, None] * kg_per_ws[None, :]  # [count, piece]
+    multipliers = dual_breakpoints(rates, kg_per_s)
+    # Per multiplier mu (kg per sample) and piece: the most a second of the piece is worth,
+    # max(0, max over counts of mu x rate - kg per second).
+    gain = np.maximum(
+        0.0, (multipliers[:, None, None] * rates[None, :, None] - kg_per_s[None]).max(axis=1)
+    )
     work = job.total_samples
 
     def least_kg(finish_s: float) -> float | None:
         held = np.clip(finish_s - starts, 0.0, lengths)  # seconds of each piece before F
-        cost = joules[:, None] * kg_per_ws[None, :]  # kg per sample, [count, piece]
-        cap = rates[:, None] * held[None, :]  # samples, [count, piece]
-        order = np.argsort(cost, axis=None)
-        filled = np.cumsum(cap.ravel()[order])
-        if filled[-1] < work * (1 - 1e-9):
+        if float(held @ np.full_like(held, rates.max())) < work * (1 - 1e-9):
             return None
-        k = int(np.searchsorted(filled, work))
-        before = filled[k - 1] if k > 0 else 0.0
-        kg = float((cost.ravel()[order][:k] * cap.ravel()[order][:k]).sum())
-        return kg + float(cost.ravel()[order][k]) * (work - before)
+        # The LP's dual, mu x work - sum of held x gain, is concave and piecewise linear in mu
+        # with its kinks among `multipliers`, so its maximum there is the LP's least kg.
+        return max(0.0, float((multipliers * work - gain @ held).max()))
 
     grid = [*np.arange(release + grid_s, end, grid_s), end]
     kgs = [least_kg(f) for f in grid]
@@ -196,6 +197,22 @@ def job_options(
         if kg is not None:
             out.append((float(max(lower, release + work / rates.max()) - release), kg))
     return out
+
+
+def dual_breakpoints(rates: np.ndarray, kg_per_s: np.ndarray) -> np.ndarray:
+    """Every multiplier (kg per sample) at which some piece's best count changes (`job_options`).
+
+    Piece p's best use of a second at multiplier mu is the count c maximizing mu x rates[c] -
+    kg_per_s[c, p], or idling (0): it changes where two counts tie or one ties with idling.
+    """
+    zero = (kg_per_s / rates[:, None]).ravel()
+    c, d = np.triu_indices(len(rates), k=1)
+    faster = rates[c] != rates[d]
+    ties = (kg_per_s[c[faster]] - kg_per_s[d[faster]]) / (rates[c[faster]] - rates[d[faster]])[
+        :, None
+    ]
+    found = np.concatenate([[0.0], zero, ties.ravel()])
+    return np.unique(found[found >= 0.0])
 
 
 def slack_saving_bound(

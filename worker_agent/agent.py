@@ -272,6 +272,8 @@ class Agent:
                 job.estimated_power_w = dict(cmd.estimated_power_w)
                 self._reserve(job, slots)
                 ack = self._apply(job, cmd, slots)
+                # The scheduler placed it knowing where it runs: a past loss is told.
+                job.lost_nodes = []
             except BaseException:
                 with self._lock:
                     # A job whose very first command failed was never here.
@@ -656,6 +658,8 @@ class Agent:
             if job.remote:
                 # Say which node went, so the scheduler's event names it.
                 lost = job.runner.lost_nodes() if job.runner is not None else []
+                if lost and not isinstance(exc, JobCodeFailed) and self._recover(job, lost):
+                    return
                 if lost:
                     message = f"workers on node(s) {', '.join(lost)} lost: {message}"
             job.fail(message, job_code=isinstance(exc, JobCodeFailed))
@@ -664,6 +668,27 @@ class Agent:
             return
         if job.reached_end():
             self._finish(job)
+
+    def _recover(self, job: ManagedJob, lost: list[str]) -> bool:
+        """Whether the job goes on here alone after losing its workers on `lost` nodes (from
+        its survivors' replicas); the heartbeat then tells the scheduler (`lost_nodes`)."""
+        if self.config.name in lost or not job.slot_indices:
+            return False
+        report = job.recover_here()
+        if report is None:
+            return False
+        log.warning(
+            "job %d: workers on node(s) %s lost; goes on on %d slot(s) of this node (%s) from "
+            "its replicas at step %d, recovered in %.2f s",
+            job.job_id,
+            ", ".join(lost),
+            len(job.slot_indices),
+            report.dst,
+            report.step,
+            report.recover_s,
+        )
+        self.link.flush_now.set()
+        return True
 
     def _finish(self, job: ManagedJob) -> None:
         """End a job that trained all its samples: last telemetry, export, slots freed."""

@@ -34,7 +34,7 @@ from worker_agent.runtime.errors import JobCodeFailed, JobSpecError, WorkerFaile
 from worker_agent.runtime.module_job import ModelInfo
 from worker_agent.runtime.presets import JobSpec
 from worker_agent.runtime.remote import HostClient
-from worker_agent.runtime.runner import GpuSlot, JobRunner, SwitchReport
+from worker_agent.runtime.runner import GpuSlot, JobRunner, RecoveryReport, SwitchReport
 from worker_agent.telemetry import energy_kwh, estimated_power_w
 from worker_agent.workloads import total_steps
 
@@ -101,6 +101,8 @@ class ManagedJob:
         rendezvous address); None: the job runs inside this node only."""
         self.remote: list[RemotePart] = []
         """The job's slots on other nodes (their workers run under those nodes' worker hosts)."""
+        self.lost_nodes: list[str] = []
+        """Nodes the job lost its workers on and now runs without (`recover_here`)."""
         self.log_dir = log_dir
         """The workers' captured output (worker_agent/logstore.py); None: not captured."""
         self.spec = spec
@@ -186,6 +188,7 @@ class ManagedJob:
             finished=self.state == "finished",
             error=self.error,
             job_error=self.job_error,
+            lost_nodes=list(self.lost_nodes),
         )
 
     def ack(
@@ -371,6 +374,30 @@ class ManagedJob:
         # The driver waited while the switch ran: that time was not training.
         self._busy_acc_s -= report.switch_s
         return report, self.cut_sample(gpus=old_gpus, layout=old_layout)
+
+    def recover_here(self) -> RecoveryReport | None:
+        """Go on on this node's slots alone after the job's workers on other nodes were lost,
+        from the survivors' replicas (no step lost); None where they do not hold the whole
+        state (the scheduler then places the job again, from its newest checkpoint)."""
+        assert self.runner is not None
+        with contextlib.suppress(WorkerFailed):
+            self._halt()
+        try:
+            report = self.runner.recover([GpuSlot(self.node, i) for i in self.slot_indices])
+        except (WorkerFailed, ValueError) as exc:
+            log.warning(
+                "job %d: no recovery from replicas on node %s: %s", self.job_id, self.node, exc
+            )
+            return None
+        if report.recovered_from != "replicas":
+            return None  # recover() restarts from a checkpoint only when given one
+        self.remote = []
+        self.lost_nodes = list(report.lost_nodes)
+        self._last_step = report.step
+        self._sample_step = report.step
+        self._record_ranks()
+        self._run()
+        return report
 
     def _record_ranks(self) -> None:
         if self.log_dir is not None and self.runner is not None:

@@ -175,6 +175,9 @@ class RunningJob(_Wire):
     # The job's own code failed (job module import, job function, its return value): it cannot
     # run anywhere, so the scheduler fails it instead of placing it again.
     job_error: StrictBool = False
+    # Nodes whose workers of this job were lost and that the job now runs without, on this
+    # node's slots alone, from the survivors' replicas (until the next command it applies).
+    lost_nodes: Annotated[list[NodeName], Field(max_length=MAX_SLOTS)] = []
 
 
 class Heartbeat(_Wire):

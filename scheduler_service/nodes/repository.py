@@ -88,6 +88,15 @@ class NodeRepository:
         """Free every slot a job holds."""
         self.session.execute(update(GpuSlot).where(GpuSlot.job_id == job_id).values(job_id=None))
 
+    def release_job_elsewhere(self, job_id: int, node_id: int) -> int:
+        """Free the slots a job holds on nodes other than `node_id`; how many were freed."""
+        result = self.session.execute(
+            update(GpuSlot)
+            .where(GpuSlot.job_id == job_id, GpuSlot.node_id != node_id)
+            .values(job_id=None)
+        )
+        return int(getattr(result, "rowcount", 0) or 0)
+
     def release_node(self, node_id: int) -> list[int]:
         """Free every slot of a node; return the ids of the jobs that held them."""
         jobs = self.session.scalars(

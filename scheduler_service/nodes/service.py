@@ -18,7 +18,7 @@ from scheduler_service.jobs.repository import JobRepository
 from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobState, transition
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.nodes.secrets import NodeSecrets
-from worker_agent.protocol import Heartbeat, HeartbeatAck, NodeRegistration
+from worker_agent.protocol import Heartbeat, HeartbeatAck, NodeRegistration, RunningJob
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,33 @@ def _requeue_job(session: Session, job_id: int, reason: str) -> None:
         _requeue(jobs, job, reason)
 
 
+def _went_on_alone(session: Session, job: Job, node: Node, running: RunningJob) -> None:
+    """The job's runner node lost its workers on other nodes and went on on its own slots from
+    the survivors' replicas: its slots elsewhere are freed and it holds what this node runs (the
+    next tick plans from there), recorded once."""
+    if not NodeRepository(session).release_job_elsewhere(job.id, node.id):
+        return  # told already (or the job never held slots elsewhere)
+    job.current_gpus = running.gpus
+    job.current_layout = running.layout
+    lost = ", ".join(running.lost_nodes)
+    JobRepository(session).add_event(
+        JobEvent(
+            job_id=job.id,
+            kind="node_lost",
+            reason=f"workers on node(s) {lost} lost; goes on on {running.gpus} GPU(s) of node "
+            f"{node.name} from its replicas at step {running.step} (no step lost)",
+            details={
+                "lost_nodes": list(running.lost_nodes),
+                "node": node.name,
+                "gpus": running.gpus,
+                "layout": running.layout,
+                "step": running.step,
+                "worker_pids": list(running.worker_pids),
+            },
+        )
+    )
+
+
 def _placed_here(latest: Allocation | None, job_id: int, node_id: int, held: set[int]) -> bool:
     # The command that failed to start it may have been refused, its slots moved on since.
     return job_id in held or (latest is not None and latest.node_id == node_id)
@@ -193,6 +220,8 @@ def heartbeat(
             stop.append(running.job_id)
             continue
         if running.job_id in held:
+            if running.lost_nodes:
+                _went_on_alone(session, job, node, running)
             continue
         # Not placed here: stop it only once the scheduler's command that moved it elsewhere
         # is acknowledged there (a command in flight may still be on its way to this agent).

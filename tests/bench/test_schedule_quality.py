@@ -49,6 +49,17 @@ def test_job_options_price_the_cleanest_hours_before_each_finish() -> None:
     assert [kg for _, kg in options] == sorted((kg for _, kg in options), reverse=True)
 
 
+def test_job_options_run_one_count_at_a_time() -> None:
+    # 3 h of work at 1 GPU, at most 2 h of it per hour (2 GPUs). It cannot finish in the first
+    # hour, and finishing by 2 h or later costs 2 GPUs through the clean hour (0.3 kWh at 100 g)
+    # plus 1 GPU through a dirty one (0.1 kWh at 500 g): 0.08 kg. The bound that let every count
+    # use the whole hour side by side finished in the first hour and priced 2 h at 0.04 kg.
+    clock = CarbonClock(series([500.0, 100.0, 500.0, 500.0]), pue=1.0)
+    options = job_options(job(4 * 3600.0, samples=3 * 3600), clock, TABLES, 3600.0)
+    assert [jct for jct, _ in options] == [5400.0, 7200.0, 10800.0]
+    assert [kg for _, kg in options] == pytest.approx([0.3 * 0.1 + 0.1 * 0.5] * 3)
+
+
 def test_slack_bound_shares_the_jct_allowance_between_jobs() -> None:
     # Two jobs, each: fast (1 h, 10 kg) or slow (2 h, 4 kg). 3 h in all allows one slow job.
     options = [[(3600.0, 10.0), (7200.0, 4.0)], [(3600.0, 10.0), (7200.0, 4.0)]]
