@@ -14,7 +14,7 @@ service's placement, jobs may span every node) and/or "nodes:S" (only the first 
 spanned; nodes:0, every job inside one node), and reports what placement lowered (issue 20).
 
 Prints {"cases": [{"trace", "jobs", "slot_s", "elasticflow_events", "horizon_slots",
-"beyond_horizon", "policy", "placement", "carbon_price_s_per_kg", "admitted", "deadline_jobs",
+"beyond_horizon", "policy", "placement", "carbon_price_s_per_kg", "switch_cost", "admitted", "deadline_jobs",
 "met", "admitted_missed", "lateness_sum_s", "lateness_max_s", "missed", "placement_lowered",
 "placement_lowered_jobs", "admitted_missed_lowered", "jobs_spanning_nodes", "wall_s"}],
 "skipped", "settings"}; "missed" lists (job_id, lateness_s) of each broken promise.
@@ -60,6 +60,7 @@ def run_case(
     forecast_error: float = 0.0,
     placement: str = "pooled",
     carbon_price_s_per_kg: float = 0.0,
+    switch_cost: str = "measured",
 ) -> dict[str, Any]:
     """One replay's promise figures."""
     mode, _, spannable = placement.partition(":")
@@ -75,6 +76,7 @@ def run_case(
         model_error=model_error,
         forecast_error=forecast_error,
         carbon_price_s_per_kg=carbon_price_s_per_kg,
+        switch_cost="flat" if switch_cost == "flat" else "measured",
         placement="nodes" if mode == "nodes" else "pooled",
         spannable_nodes=int(spannable) if spannable else None,
     )
@@ -96,6 +98,7 @@ def run_case(
         "model_error": model_error,
         "forecast_error": forecast_error,
         "carbon_price_s_per_kg": carbon_price_s_per_kg,
+        "switch_cost": report.switch_cost,
         "admitted": report.admitted,
         "deadline_jobs": report.deadline_jobs,
         "met": sum(1 for o in report.outcomes if o.deadline_met),
@@ -140,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         "--carbon-price", type=float, default=0.0, help="s of weighted JCT per kg (soft trade-off)"
     )
     parser.add_argument("--budget-s", type=float, default=1800.0)
+    parser.add_argument(
+        "--switch-cost",
+        choices=("measured", "flat"),
+        default="measured",
+        help="what a switch costs in the replay (the simulator's --switch-cost)",
+    )
     parser.add_argument(
         "--model-error", type=float, default=0.0, help="relative std of each job's model error"
     )
@@ -226,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.forecast_error,
                             placement,
                             args.carbon_price,
+                            args.switch_cost,
                         )
                         cases.append(case)
                         print(json.dumps(case), file=sys.stderr, flush=True)
@@ -242,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                     "carbon": args.carbon,
                     "time_limit_s": args.time_limit_s,
                     "carbon_price_s_per_kg": args.carbon_price,
+                    "switch_cost": args.switch_cost,
                     "model_error": args.model_error,
                     "forecast_error": args.forecast_error,
                     "placements": placements,

@@ -346,6 +346,19 @@ class ControlLoop:
             outcomes = await self._deliver_group([d for d in deliveries if d.order == order])
             acked += sum(1 for o in outcomes if o.ok)
             failed += sum(1 for o in outcomes if not o.ok)
+        moved = {d.command.job_id for d in deliveries if d.blocks}
+        if moved:
+            # Commands that waited behind one of this round (a move's start on its new node,
+            # behind the pause on the old one): delivered now that those are answered, not a
+            # whole slot later at the next tick.
+            after = [
+                d for d in await asyncio.to_thread(self._deliveries) if d.command.job_id in moved
+            ]
+            for order in sorted({d.order for d in after}):
+                outcomes = await self._deliver_group([d for d in after if d.order == order])
+                acked += sum(1 for o in outcomes if o.ok)
+                failed += sum(1 for o in outcomes if not o.ok)
+            deliveries += after
         phases_s["dispatch"] = time.monotonic() - dispatch_began_s
         await asyncio.to_thread(self._sweep_bundles_if_due, now)
         self.last_tick_s = time.monotonic() - started_s

@@ -14,7 +14,7 @@ nodes gets a node made whole for it instead: it moves to a node with room, or jo
 node move, whole and at their counts, off a node onto others' free GPUs (fewest jobs moved, then
 fewest GPUs; the job's own node first). Each move is in `Placed.moved` with its reason: it costs
 the moved job a switch across nodes. `movable` limits which jobs holding slots may move (the live
-service moves none: `NodeFacts`); jobs without slots are placed wherever makes room.
+rule: `LIVE_MOVABLE`); jobs without slots are placed wherever makes room.
 """
 
 from __future__ import annotations
@@ -248,12 +248,11 @@ def place_plan(
     return {job_id: tuple(row) for job_id, row in rows.items()}
 
 
-# The jobs holding slots that the live service's placement may move to another node: none. The
-# dispatcher sends a job one command, to its new node, while the old node's agent keeps running it
-# (it is stopped there only after the new node acknowledged), so the job the move made room for
-# would find the old slots still held, and the moved one would restart from its last periodic
-# checkpoint. Jobs without slots (queued, paused) are placed wherever makes room.
-LIVE_MOVABLE: frozenset[int] = frozenset()
+# The jobs holding slots that the live service's placement may move to another node: every one
+# (None). The dispatcher moves a running job in two steps: a pause on its node (the agent
+# checkpoints it and frees the slots), answered before the start on the new node, which resumes
+# from that checkpoint (`dispatch/service._decide_job`, `deliveries`).
+LIVE_MOVABLE: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -264,8 +263,8 @@ class NodeFacts:
     `place` (the dispatcher, `dispatch/service.decide`) and `place_rows` (admission's check of a
     plan) place with the same rules: jobs keep their slots, a paused job goes back to its home
     node, a job spans only the spannable nodes in whole tensor-parallel groups, and a count that
-    fits on no node as jobs sit gets a node made whole for it by moving jobs that hold no slots
-    (`LIVE_MOVABLE`: a running job never moves, see `docs/service.md`). The simulator places
+    fits on no node as jobs sit gets a node made whole for it by moving jobs (`LIVE_MOVABLE`;
+    a running job moves by a pause and a start, see `docs/service.md`). The simulator places
     through it too (`simulate/engine.NodePlacer`), where `move_jobs` and `movable` can be set to
     ask what other rules would give.
     """

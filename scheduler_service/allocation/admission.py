@@ -19,6 +19,8 @@ from scheduler_service.allocation.problem import (
     BudgetPeriod,
     JobSpec,
     TeamBudget,
+    after_horizon_gpu_s,
+    crowded_after_horizon,
     evaluate_gpus,
     make_plan,
     trim_after_finish,
@@ -290,38 +292,21 @@ def after_horizon_overcommitted(
     jobs due before them, needs more GPU-seconds than the cluster has from the horizon to their
     deadline (each job at the count alone meeting its deadline with the fewest GPU-seconds)."""
     horizon_s = problem.horizon_s
-    capacity = problem.capacity_gpus[-1]
     need: list[tuple[float, float, str]] = []
     ev = evaluate_gpus(problem, gpus)
     done = ev.done_samples
-    # A count other than the last slot's starts with a switch stall (counted in both the time and
-    # the GPU-seconds: the GPUs are held through it).
-    stall_s = problem.switch_stall_s
     for job in problem.jobs:
         row = gpus.get(job.job_id)
         if job.deadline_s is None or job.deadline_s < horizon_s or row is None:
             continue
         if ev.completion_s.get(job.job_id) is not None:
             continue
-        rate = dict(zip(job.allowed_gpus, job.throughput_samples_per_s, strict=True))
         left = job.remaining_samples - done.get(job.job_id, 0.0)
         if left <= 0:
             continue
-        window_s = job.deadline_s - horizon_s
-        options = [
-            g * (left / r + (0.0 if g == row[-1] else stall_s))
-            for g, r in rate.items()
-            if g <= capacity
-            and r * (window_s - (0.0 if g == row[-1] else stall_s)) >= left * (1 - 1e-9)
-        ]
-        need.append((job.deadline_s, min(options, default=math.inf), job.job_id))
-    crowded = []
-    total = 0.0
-    for deadline_s, job_gpu_s, job_id in sorted(need):
-        total += job_gpu_s
-        if total > capacity * (deadline_s - horizon_s) * (1 + 1e-9):
-            crowded.append(job_id)
-    return crowded
+        gpu_s = after_horizon_gpu_s(job, left, row[-1], job.deadline_s - horizon_s, problem)
+        need.append((job.deadline_s, gpu_s, job.job_id))
+    return crowded_after_horizon(need, problem.capacity_gpus[-1], horizon_s)
 
 
 @dataclass(frozen=True)

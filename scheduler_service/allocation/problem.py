@@ -7,13 +7,17 @@ timezone-aware UTC datetime so plans can be mapped back to wall-clock time.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
+from typing import TypeVar
 
 import numpy as np
 
 from energy_model.emissions import GRAMS_PER_KG, SECONDS_PER_HOUR, WATTS_PER_KILOWATT
+
+K = TypeVar("K")
 
 # Cap on the budget-aware tail (slots per unit of leftover work fraction): see budget_tail_slots.
 BUDGET_TAIL_MAX_SLOTS = 1e5
@@ -554,6 +558,17 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
             done[i] + arrays.max_throughput[i] * after_s >= job.remaining_samples * (1 - 1e-9)
         )
 
+    # Deadline jobs met only by work after the horizon, by the deadline they are judged against
+    # (seen, then promised): (deadline, GPU-seconds of that work, row).
+    after_seen: list[AfterHorizonWork] = []
+    after_promised: list[AfterHorizonWork] = []
+    kept: dict[int, bool] = {}  # row -> promise kept (margin included)
+
+    capacity = problem.capacity_gpus[-1]
+
+    def after_need(i: int, job: JobSpec, deadline_s: float) -> AfterHorizonWork:
+        return AfterHorizonWork(deadline_s, job, job.remaining_samples - float(done[i]), i)
+
     for i, job in enumerate(problem.jobs):
         finish = None if not finished[i] else float(finish_s[i])
         completion[job.job_id] = finish
@@ -562,12 +577,27 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
             ok = meets(i, job, finish, job.deadline_s)
             met[job.job_id] = ok
             margin_jobs += job.deadline_margin_s > 0
-            if not ok:
-                misses += 1
-                if job.deadline_margin_s <= 0 or not meets(
-                    i, job, finish, job.deadline_s + job.deadline_margin_s
-                ):
-                    broken += 1
+            promised_s = job.deadline_s + job.deadline_margin_s
+            kept[i] = ok or (job.deadline_margin_s > 0 and meets(i, job, finish, promised_s))
+            if finish is None and ok and job.deadline_s >= horizon_s:
+                after_seen.append(after_need(i, job, job.deadline_s))
+            if finish is None and kept[i] and promised_s >= horizon_s:
+                after_promised.append(after_need(i, job, promised_s))
+    # Each job alone may run at full speed after the horizon; together they may not: a plan that
+    # leaves more work after it than the cluster's GPU-seconds up to the deadlines misses them
+    # (issue 23: two long jobs each counting on the whole cluster after the horizon let every
+    # tick give away the capacity one of them needed, and its promise broke). The work is
+    # counted at its fewest GPU-seconds (`least_gpu_s`), so only a plan no schedule after the
+    # horizon can mend misses: a stricter count (one count per job, as admission's check) made
+    # plans give up on a promise it wrongly called lost, and then it was.
+    for i in overcommitted_after_horizon(after_seen, capacity, horizon_s):
+        met[problem.jobs[i].job_id] = False
+    for i in overcommitted_after_horizon(after_promised, capacity, horizon_s):
+        kept[i] = False
+    for i, job in enumerate(problem.jobs):
+        if job.deadline_s is not None and not met[job.job_id]:
+            misses += 1
+            broken += not kept[i]
     capacity_ok = bool(np.all(used <= np.asarray(problem.capacity_gpus)))
     budget_ok = True
     if problem.budget_mode is BudgetMode.HARD:
@@ -597,6 +627,108 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
         unfinished_area=unfinished,
         done_samples={job.job_id: float(done[i]) for i, job in enumerate(problem.jobs)},
     )
+
+
+def after_horizon_gpu_s(
+    job: JobSpec, left_samples: float, last_gpus: int, window_s: float, problem: AllocationProblem
+) -> float:
+    """GPU-seconds a job's work left at the horizon needs at the count that alone finishes it in
+    `window_s` with the fewest (a count other than the last slot's starts with a switch stall,
+    counted in both: the GPUs are held through it); inf when no count fits the window."""
+    if left_samples <= 0:
+        return 0.0
+    capacity = problem.capacity_gpus[-1]
+    stall_s = problem.switch_stall_s
+    options = [
+        g * (left_samples / r + (0.0 if g == last_gpus else stall_s))
+        for g, r in zip(job.allowed_gpus, job.throughput_samples_per_s, strict=True)
+        if g <= capacity
+        and r * (window_s - (0.0 if g == last_gpus else stall_s)) >= left_samples * (1 - 1e-9)
+    ]
+    return min(options, default=math.inf)
+
+
+def least_gpu_s(job: JobSpec, left_samples: float, window_s: float, capacity_gpus: int) -> float:
+    """Fewest GPU-seconds that do `left_samples` of a job's work within `window_s`, its counts
+    mixed over time (two counts, or one and idle: the lower convex hull of GPUs over rate);
+    inf when its fastest count cannot. No stalls: a bound no schedule beats."""
+    if left_samples <= 0:
+        return 0.0
+    if window_s <= 0:
+        return math.inf
+    need_rate = left_samples / window_s
+    points = [(0.0, 0.0)] + [
+        (r, float(g))
+        for g, r in zip(job.allowed_gpus, job.throughput_samples_per_s, strict=True)
+        if g <= capacity_gpus
+    ]
+    best = math.inf
+    for rate_a, gpus_a in points:
+        if rate_a > need_rate * (1 + 1e-12):
+            continue
+        for rate_b, gpus_b in points:
+            if rate_b < need_rate * (1 - 1e-12):
+                continue
+            if rate_b <= rate_a:
+                gpus = gpus_b if rate_b == rate_a else math.inf
+            else:
+                gpus = gpus_a + (gpus_b - gpus_a) * (need_rate - rate_a) / (rate_b - rate_a)
+            best = min(best, gpus * window_s)
+    return best
+
+
+@dataclass(frozen=True)
+class AfterHorizonWork:
+    """A deadline job's work left at the horizon: due `deadline_s` (from the problem's start)."""
+
+    deadline_s: float
+    job: JobSpec
+    left_samples: float
+    row: int
+
+
+def overcommitted_after_horizon(
+    work: Sequence[AfterHorizonWork], capacity_gpus: int, horizon_s: float
+) -> list[int]:
+    """Rows of `work` due at a deadline by which the GPU-seconds the work needs exceed the
+    cluster's from the horizon on: the work due by then, and the part of each later job's that
+    its fastest count cannot do between then and its own deadline, each at its fewest
+    GPU-seconds (`least_gpu_s`). A necessary condition only (no stalls, work divisible)."""
+    ordered = sorted(work, key=lambda w: (w.deadline_s, w.row))
+    fastest = [max(w.job.throughput_samples_per_s) for w in ordered]
+    own = [
+        least_gpu_s(w.job, w.left_samples, w.deadline_s - horizon_s, capacity_gpus) for w in ordered
+    ]
+    crowded: list[int] = []
+    due = 0.0
+    for k, w in enumerate(ordered):
+        due += own[k]
+        window_s = w.deadline_s - horizon_s
+        # A job due later that cannot finish after this deadline at full speed needs GPUs before.
+        before = 0.0
+        # (Jobs due at the same time count at their own turn, so only one of them is crowded.)
+        for later, rate in zip(ordered[k + 1 :], fastest[k + 1 :], strict=True):
+            rest = later.left_samples - rate * (later.deadline_s - w.deadline_s)
+            if rest > 0 and later.deadline_s > w.deadline_s:
+                before += least_gpu_s(later.job, rest, window_s, capacity_gpus)
+        if due + before > capacity_gpus * window_s * (1 + 1e-9):
+            crowded.append(w.row)
+    return crowded
+
+
+def crowded_after_horizon(
+    needs: Sequence[tuple[float, float, K]], capacity_gpus: int, horizon_s: float
+) -> list[K]:
+    """Keys of `needs` ((deadline s, GPU-seconds after the horizon, key)) whose work, with that
+    of the ones due before them, exceeds the cluster's GPU-seconds from the horizon to their
+    deadline (earliest deadline first)."""
+    crowded: list[K] = []
+    total = 0.0
+    for deadline_s, gpu_s, key in sorted(needs, key=lambda need: need[:2]):
+        total += gpu_s
+        if total > capacity_gpus * (deadline_s - horizon_s) * (1 + 1e-9):
+            crowded.append(key)
+    return crowded
 
 
 def _team_members(problem: AllocationProblem, team: TeamBudget) -> np.ndarray:

@@ -12,13 +12,17 @@ builder"):
   still make the earlier deadline at full speed (a margin that turned a just-meetable deadline
   into a lost one would cause the very miss it guards against);
 - requested GPUs: the count a fixed-size policy runs the job at (0: its largest allowed count);
-- current GPUs: a count outside the job's allowed counts is seen as 0 (the job restarts).
+- current GPUs: a count outside the job's allowed counts is seen as 0 (the job restarts);
+- a lost promise: a guaranteed deadline the job can no longer make even at its fastest count
+  weighs `lost_promise_weight` times its priority, so the plans still finish it as early as the
+  kept promises allow (its lateness) instead of treating it like any other job.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from scheduler_service.allocation.problem import (
@@ -141,8 +145,48 @@ def plan_job(job: PlannableJob, knobs: ProblemKnobs) -> JobSpec:
     )
 
 
+def lost_promise_weight(run_s: float, others_weight: float, slot_s: float, num_slots: int) -> float:
+    """Weight factor of a job whose promise is lost: a slot of its delay outweighs delaying
+    every other job (`others_weight`: their priorities together) for its whole remaining run
+    (`run_s` at its fastest count, counted up to the horizon)."""
+    return 1.0 + others_weight * max(1, min(math.ceil(run_s / slot_s), num_slots))
+
+
 def build_problem(snapshot: ClusterSnapshot, knobs: ProblemKnobs) -> AllocationProblem:
     """The allocation problem of a snapshot (pure: no I/O, no clock)."""
+    problem = _problem(snapshot, knobs)
+    # A promise no plan can keep any more (a fault, a model far off, a stall the plans missed)
+    # is still a promise: its lateness comes before the other jobs' completion times (below
+    # the deadlines still kept: `M` grows with the weights). Weighed like any job, a late job
+    # with much work left yielded to every shorter one (the fractional completion term favours
+    # finishing short jobs first), so its lateness grew with the queue.
+    lost = {
+        job.job_id
+        for job in problem.jobs
+        if job.deadline_s is not None and not job.best_effort and problem.deadline_impossible(job)
+    }
+    if not lost:
+        return problem
+    total = sum(job.priority for job in problem.jobs)
+    jobs = tuple(
+        replace(
+            job,
+            priority=job.priority
+            * lost_promise_weight(
+                job.remaining_samples / problem.usable_max_rate(job),
+                total - job.priority,
+                problem.slot_s,
+                problem.num_slots,
+            ),
+        )
+        if job.job_id in lost
+        else job
+        for job in problem.jobs
+    )
+    return replace(problem, jobs=jobs)
+
+
+def _problem(snapshot: ClusterSnapshot, knobs: ProblemKnobs) -> AllocationProblem:
     return AllocationProblem(
         start_at=snapshot.start_at,
         slot_s=snapshot.slot_s,

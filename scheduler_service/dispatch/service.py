@@ -7,7 +7,7 @@ leaves the scheduler, so a restart resends what was not acknowledged and loses n
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from sqlalchemy.orm import Session
@@ -52,6 +52,9 @@ class Delivery:
     command: AllocationCommand | StopCommand
     # 0: stops and pauses, 1: shrinks, 2: the rest — freed slots are freed before they are reused.
     order: int = 2
+    # A newer command of the same job waits until this one is answered (a move's pause, before
+    # the start on the new node): the loop delivers again once this round is answered.
+    blocks: bool = False
 
 
 def _current_placements(
@@ -280,6 +283,7 @@ def loop_node_facts(
         newest_acked,
         {j: d for j in job_ids if j in rows and (d := tp_degree(rows[j].current_layout)) > 1},
         spannable_nodes(ready, now, span_fresh_s),
+        job_ids,
     )
 
 
@@ -322,10 +326,27 @@ def _decide_job(
         reason += f" on {len(new.parts)} nodes"
     if job_id in placed.short:
         reason += f" ({placed.short[job_id]})"
+    if old.node_id is not None and new.node_id is not None and new.node_id != old.node_id:
+        # A running job moved to another node (`placed.moved`): first paused on its node (its
+        # agent checkpoints it there and frees the slots), then started on the new node from
+        # that checkpoint; `deliveries` holds the start back until the pause is answered.
+        session.add(
+            Allocation(
+                job_id=job_id,
+                generation=generation,
+                node_id=old.node_id,
+                gpus=0,
+                slot_indices=[],
+                status="pending",
+                reason=f"move: paused on node {old.node_id} to resume on node {new.node_id} "
+                f"({placed.moved.get(job_id, 'placement')})",
+            )
+        )
+        generation += 1
     if job_id in placed.moved:
-        # Placed away from its home node to make room for another job's planned count: it
-        # resumes from its newest checkpoint, not its paused state (the start's event says from
-        # where, and what is trained again).
+        # Moved to make room for another job's planned count: it resumes on its new node from
+        # its newest checkpoint, not its paused state (the start's event says from where, and
+        # what is trained again).
         reason += f"; {placed.moved[job_id]}"
         jobs_repo.add_event(
             JobEvent(
@@ -395,6 +416,9 @@ def deliveries(session: Session, node_secrets: NodeSecrets) -> list[Delivery]:
         )
     )
     last_acked = allocations.newest_by_job(job_ids, acked=True) if job_ids else {}
+    # Jobs with an older command still undelivered: a newer one waits behind it (a move's start
+    # behind its pause on the old node, which must free the slots and write the checkpoint).
+    waiting: dict[int, Delivery | None] = {}
     for allocation in pending:
         node: Node | None = (
             nodes.get(allocation.node_id) if allocation.node_id is not None else None
@@ -407,7 +431,16 @@ def deliveries(session: Session, node_secrets: NodeSecrets) -> list[Delivery]:
             if allocation.gpus == 0:
                 # Nothing runs on a lost or unknown node: the stop is moot.
                 allocation.status = "superseded"
+            else:
+                waiting.setdefault(allocation.job_id, None)
             continue
+        if allocation.job_id in waiting:
+            ahead = waiting[allocation.job_id]
+            if ahead is not None:
+                waiting[allocation.job_id] = None
+                out[out.index(ahead)] = replace(ahead, blocks=True)
+            continue
+        waiting[allocation.job_id] = None
         if node.secret_key_id != node_secrets.key_id or not node.agent_secret_nonce:
             # Registered under another scheduler key: its next heartbeat is told to register
             # again, which draws a secret this scheduler can present; the command waits.
@@ -457,6 +490,7 @@ def deliveries(session: Session, node_secrets: NodeSecrets) -> list[Delivery]:
             order = 2
         secret = node_secrets.agent_secret(node.id, node.name, node.agent_secret_nonce)
         out.append(Delivery(allocation.id, node.agent_url, secret, command, order))
+        waiting[allocation.job_id] = out[-1]
     return sorted(out, key=lambda d: (d.order, d.allocation_id))
 
 
@@ -613,7 +647,8 @@ def record_failure(session: Session, allocation_id: int, error: str, *, rejected
     allocation.status = "rejected" if rejected else "unreachable"
     allocation.error = error[:2000]
     if rejected:
-        _restore_acked_slots(session, allocation)
+        withdrawn = _withdraw_move(session, allocation)
+        _restore_acked_slots(session, allocation, newer_withdrawn=withdrawn)
         job = JobRepository(session).get(allocation.job_id)
         if job is not None and JobState(job.state) is JobState.RESIZING:
             JobRepository(session).add_event(
@@ -621,7 +656,24 @@ def record_failure(session: Session, allocation_id: int, error: str, *, rejected
             )
 
 
-def _restore_acked_slots(session: Session, refused: Allocation) -> None:
+def _withdraw_move(session: Session, refused: Allocation) -> bool:
+    """A refused pause withdraws the job's newer commands still undelivered (a move's start on
+    another node: the job still runs where the pause was refused); whether any was."""
+    if refused.gpus != 0:
+        return False
+    newer = [
+        a
+        for a in AllocationRepository(session).unacknowledged()
+        if a.job_id == refused.job_id and a.generation > refused.generation
+    ]
+    for allocation in newer:
+        allocation.status = "superseded"
+    return bool(newer)
+
+
+def _restore_acked_slots(
+    session: Session, refused: Allocation, *, newer_withdrawn: bool = False
+) -> None:
     """After an agent refused a job's newest command, the job holds again the slots of its
     newest acknowledged one: what the agent still runs.
 
@@ -630,7 +682,7 @@ def _restore_acked_slots(session: Session, refused: Allocation) -> None:
     ran it on its old slots (or not at all) and the new ones stayed idle."""
     allocations = AllocationRepository(session)
     newest = allocations.newest_by_job([refused.job_id]).get(refused.job_id)
-    if newest is not None and newest.id != refused.id:
+    if newest is not None and newest.id != refused.id and not newer_withdrawn:
         return  # a newer command already decides where the job goes
     nodes = NodeRepository(session)
     acked = allocations.newest_by_job([refused.job_id], acked=True).get(refused.job_id)

@@ -365,13 +365,13 @@ def simulate(
             ),
         ),
     ] = False,
-    placement_moves_running: Annotated[
+    no_placement_moves_running: Annotated[
         bool,
         typer.Option(
-            "--placement-moves-running",
+            "--no-placement-moves-running",
             help=(
-                "With --placement nodes: placement may move running jobs too to make room (the"
-                " live service moves only jobs that hold no GPUs: queued and paused ones)."
+                "With --placement nodes: placement moves only jobs that hold no GPUs (queued,"
+                " paused) to make room, never a running one (the live service moves both)."
             ),
         ),
     ] = False,
@@ -455,7 +455,7 @@ def simulate(
             placement=cast(Literal["pooled", "nodes"], placement),
             spannable_nodes=spannable_nodes,
             placement_moves=not no_placement_moves,
-            placement_moves_running=placement_moves_running,
+            placement_moves_running=not no_placement_moves_running,
             time_limit_s=time_limit_s,
             seed=seed,
         )

@@ -173,11 +173,11 @@ class SimulationConfig:
     spannable_nodes: int | None = None
     # With "nodes": placement may move jobs whole to another node to make room for a count that
     # fits on no node as jobs sit (`placement.place_jobs(move_jobs=True)`); each move costs the
-    # moved job a switch. As the live service: only jobs holding no slots (queued, paused) move.
+    # moved job a switch. As the live service (`placement.LIVE_MOVABLE`): running jobs too.
     placement_moves: bool = True
-    # With "nodes" and `placement_moves`: running jobs may move too (the live service does not
-    # move them: `placement.LIVE_MOVABLE`), to measure what such moves would give.
-    placement_moves_running: bool = False
+    # With "nodes" and `placement_moves`: False moves only jobs holding no slots (queued, paused),
+    # the live service's rule before its two-step move of running jobs.
+    placement_moves_running: bool = True
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -593,7 +593,7 @@ class NodePlacer:
                 if self.placements.get(i, NOWHERE).node_id is None
             },
             move_jobs=config.placement_moves,
-            movable=None if config.placement_moves_running else LIVE_MOVABLE,
+            movable=LIVE_MOVABLE if config.placement_moves_running else frozenset(),
         )
 
     def _rank(self, job_id: str, states: dict[str, _JobState]) -> tuple[float, int]:

@@ -8,16 +8,14 @@ across real interfaces."""
 from __future__ import annotations
 
 import os
-import secrets
 import signal
-import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from tests.runtime.test_remote import host  # noqa: F401 (fixture: node-b's worker host)
 from worker_agent.agent import Agent, AgentConfig
 from worker_agent.protocol import (
     AllocationCommand,
@@ -33,16 +31,6 @@ from worker_agent.sharding import Layout
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-@pytest.fixture
-def node_b() -> Iterator[WorkerHost]:
-    host = WorkerHost("127.0.0.1", secrets.token_hex(16).encode())
-    thread = threading.Thread(target=host.serve_forever, daemon=True)
-    thread.start()
-    yield host
-    host.close()
-    thread.join(timeout=10)
-
-
 def _wait(what: str, condition: object, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():  # type: ignore[operator]
@@ -51,12 +39,15 @@ def _wait(what: str, condition: object, timeout_s: float = 120.0) -> None:
 
 
 def test_a_job_that_loses_its_other_node_goes_on_here_from_its_replicas(
-    tmp_path: Path, node_b: WorkerHost, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    host: WorkerHost,  # noqa: F811 (fixture)
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Replicas exist only under data parallelism; for the tiny presets the layout chooser
     # prefers pipelining across nodes (no replica: the scheduler's checkpoint path applies), so
     # this test asks for data parallelism, as a compute-heavy model's choice would be.
     monkeypatch.setattr(JobRunner, "_choose", lambda self, gpus: Layout(dp=gpus))
+    node_b = host
     agent = Agent(
         AgentConfig(
             scheduler_url="http://127.0.0.1:9",  # never contacted: no background loop runs

@@ -349,14 +349,17 @@ def test_a_full_solve_runs_outside_the_request_transaction(
         engine.dispose()
 
 
-def _two_nodes(factory: sessionmaker[Session], *, spannable: bool) -> None:
-    """Nodes of 4 slots each; with `spannable`, each advertised a rendezvous address."""
+def _two_nodes(
+    factory: sessionmaker[Session], *, spannable: bool, count: int = 2, slots: int = 4
+) -> None:
+    """`count` nodes of `slots` slots each; with `spannable`, each advertised a rendezvous
+    address."""
     with transaction(factory) as session:
-        for i in range(2):
+        for i in range(count):
             add_node(
                 session,
                 f"n{i}",
-                4,
+                slots,
                 agent_url=f"http://127.0.0.1:{9 + i}",
                 last_heartbeat_at=utcnow(),
                 rendezvous_host=f"198.18.0.{2 + i}" if spannable else None,
@@ -397,10 +400,13 @@ def test_a_deadline_job_larger_than_any_node_is_admitted_only_where_it_may_span(
 def test_a_deadline_is_refused_when_its_plan_cannot_be_placed_on_the_nodes(
     database_url: str,  # noqa: F811 (fixture)
 ) -> None:
-    # Two 4-GPU nodes, a deadline job running on 2 GPUs of each: 4 GPUs are free, 2 per node.
-    # Pooled capacity admits a 4-GPU deadline job; placed, it fits only across both nodes. With
-    # a plan in force the check on its spare GPUs says so too (pooled), then placement decides.
-    request = _request("four").model_copy(update={"min_gpus": 4, "max_gpus": 4})
+    # Three 8-GPU nodes with 5, 5 and 6 one-GPU deadline jobs running: 8 GPUs are free, 3, 3
+    # and 2 per node. Pooled capacity admits an 8-GPU deadline job; placed, it fits only across
+    # the nodes: making one node whole moves at least 5 jobs, more than placement moves for one
+    # job (`MOVE_MOST_JOBS`). (Two 2-GPU jobs on two 4-GPU nodes, this test's case before
+    # placement moved running jobs, now place: one moves.) With a plan in force the check on its
+    # spare GPUs says so too (pooled), then placement decides.
+    request = _request("eight").model_copy(update={"min_gpus": 8, "max_gpus": 8})
     for spannable, in_force in itertools.product((True, False), (False, True)):
         engine = make_engine(database_url)
         factory = make_session_factory(engine)
@@ -410,33 +416,35 @@ def test_a_deadline_is_refused_when_its_plan_cannot_be_placed_on_the_nodes(
                 session.execute(delete(Node))
                 session.execute(delete(Job))
                 session.execute(delete(Plan))
-            _two_nodes(factory, spannable=spannable)
+            _two_nodes(factory, spannable=spannable, count=3, slots=8)
             now = utcnow()
             with transaction(factory) as session:
                 running = []
-                for node in session.scalars(select(Node).order_by(Node.name)):
-                    # 10,000 s of work at 2 GPUs (the prior's 900 samples/s), due in 3 h.
-                    job = Job(
-                        owner="bob",
-                        name=f"on-{node.name}",
-                        workload="resnet50",
-                        global_batch_size=256,
-                        total_samples=9_000_000,
-                        min_gpus=2,
-                        max_gpus=2,
-                        current_gpus=2,
-                        deadline_at=now + timedelta(hours=3),
-                        state=JobState.RUNNING.value,
-                        state_reason="running",
-                        created_at=now,
-                        updated_at=now,
-                    )
-                    session.add(job)
-                    session.flush()
-                    running.append(job.id)
-                    for slot in session.scalars(
-                        select(GpuSlot).where(GpuSlot.node_id == node.id, GpuSlot.index < 2)
-                    ):
+                nodes = session.scalars(select(Node).order_by(Node.name))
+                for node, count in zip(nodes, (5, 5, 6), strict=True):
+                    slots = session.scalars(
+                        select(GpuSlot).where(GpuSlot.node_id == node.id).order_by(GpuSlot.index)
+                    ).all()
+                    for slot in slots[:count]:
+                        # 10,000 s of work on one GPU (the prior's 450 samples/s), due in 3 h.
+                        job = Job(
+                            owner="bob",
+                            name=f"on-{node.name}-{slot.index}",
+                            workload="resnet50",
+                            global_batch_size=256,
+                            total_samples=4_500_000,
+                            min_gpus=1,
+                            max_gpus=1,
+                            current_gpus=1,
+                            deadline_at=now + timedelta(hours=3),
+                            state=JobState.RUNNING.value,
+                            state_reason="running",
+                            created_at=now,
+                            updated_at=now,
+                        )
+                        session.add(job)
+                        session.flush()
+                        running.append(job.id)
                         slot.job_id = job.id
                 if in_force:
                     AllocationRepository(session).add_plan(
@@ -451,12 +459,12 @@ def test_a_deadline_is_refused_when_its_plan_cannot_be_placed_on_the_nodes(
                             emissions_kg=0.0,
                             slots=[],
                         ),
-                        {str(j): [2] * 24 for j in running},
+                        {str(j): [1] * 24 for j in running},
                         {},
                     )
             admission = Admission(_config())
             with transaction(factory) as session:
-                result = admission.check(session, request, 256_000, utcnow())
+                result = admission.check(session, request, 512_000, utcnow())
             decision = result.decision
             case = f"spannable={spannable} in_force={in_force}"
             if spannable:

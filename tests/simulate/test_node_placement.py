@@ -34,7 +34,7 @@ def _replay(
     spannable_nodes: int | None = None,
     moves: bool = True,
     switch_cost: str = "measured",
-    moves_running: bool = False,
+    moves_running: bool = True,
 ) -> SimulationReport:
     folder = root / "profiles"
     folder.mkdir(exist_ok=True)
@@ -79,10 +79,8 @@ def test_a_job_larger_than_any_node_spans_nodes_only_where_spanning_is_allowed(
     # Nodes that may not be spanned: the job gets at most one node (the live service's cap),
     # which is not a lowering: it was planned on 4.
     assert _outcome(inside, "w") == (pytest.approx(6000.0), 0, 1)
-    assert (
-        spanning.placement == "nodes 2x4, 2 spannable, jobs moved to make room (not running ones)"
-    )
-    assert inside.placement == "nodes 2x4, 0 spannable, jobs moved to make room (not running ones)"
+    assert spanning.placement == "nodes 2x4, 2 spannable, jobs moved to make room"
+    assert inside.placement == "nodes 2x4, 0 spannable, jobs moved to make room"
     assert (spanning.jobs_spanning_nodes, inside.jobs_spanning_nodes) == (1, 0)
 
 
@@ -129,12 +127,12 @@ def test_placement_moves_a_job_to_make_room_and_the_move_costs_it_a_switch(
         "d,0,129600,small,,32,2,7200",
         "e,1800,108000,mid,,32,4,3600",
     ]
-    # The live service's rule (the default) moves no running job: e runs lowered on 2 until b
-    # ends, as without moves.
-    live = _replay(tmp_path, rows, "nodes", spannable_nodes=0)
-    assert live.placement_moves == 0 and _outcome(live, "e")[1] >= 1
-    assert live.placement == "nodes 2x4, 0 spannable, jobs moved to make room (not running ones)"
-    moved = _replay(tmp_path, rows, "nodes", spannable_nodes=0, moves_running=True)
+    # Placement that moves no running job (the live rule before its two-step move): e runs
+    # lowered on 2 until b ends, as without moves.
+    idle = _replay(tmp_path, rows, "nodes", spannable_nodes=0, moves_running=False)
+    assert idle.placement_moves == 0 and _outcome(idle, "e")[1] >= 1
+    assert idle.placement == "nodes 2x4, 0 spannable, jobs moved to make room (not running ones)"
+    moved = _replay(tmp_path, rows, "nodes", spannable_nodes=0)
     assert moved.placement == "nodes 2x4, 0 spannable, jobs moved to make room"
     assert _outcome(moved, "e") == (pytest.approx(3600.0), 0, 1)
     assert moved.placement_lowered == 0 and moved.placement_moves == 1
@@ -173,8 +171,8 @@ def test_admission_promises_only_what_its_plan_keeps_once_placed(
     # a and b hold 2 GPUs on nodes 0 and 1 (of 4 each); the new job e needs 4 GPUs (40
     # samples/s) for both 1 s slots to do its 80 samples by its deadline. Pooled (or spanning
     # both nodes) the plan keeps it; inside one node e gets 2 and misses it, unless placement
-    # may move the running a or b onto the other's node to make room (the live service's
-    # placement does not).
+    # may move the running a or b onto the other's node to make room (not with `running`
+    # off: only jobs that hold no GPUs move then).
     config = SimulationConfig(
         policy="carbon-agnostic",
         num_nodes=2,
@@ -238,19 +236,17 @@ def test_cli_places_on_nodes_and_names_the_placement_in_its_report(tmp_path: Pat
     result = runner.invoke(_app(), [*base, "--placement", "nodes", "--spannable-nodes", "0"])
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
-    assert (
-        payload["placement"] == "nodes 2x4, 0 spannable, jobs moved to make room (not running ones)"
-    )
+    assert payload["placement"] == "nodes 2x4, 0 spannable, jobs moved to make room"
     assert payload["switch_cost"].startswith("measured: ")
     assert payload["avg_jct_s"] == pytest.approx(6000.0)
     assert payload["jobs_detail"][0]["nodes_max"] == 1
     running = runner.invoke(
         _app(),
-        [*base, "--placement", "nodes", "--spannable-nodes", "0", "--placement-moves-running"],
+        [*base, "--placement", "nodes", "--spannable-nodes", "0", "--no-placement-moves-running"],
     )
     assert running.exit_code == 0, running.output
     assert json.loads(out.read_text())["placement"] == (
-        "nodes 2x4, 0 spannable, jobs moved to make room"
+        "nodes 2x4, 0 spannable, jobs moved to make room (not running ones)"
     )
     bad = runner.invoke(_app(), [*base, "--placement", "racks"])
     assert bad.exit_code == 2 and "pooled or nodes" in bad.output
