@@ -403,6 +403,7 @@ def _node_facts(
         newest_acked,
         {job.id: d for job, _, _ in chosen if (d := tp_degree(job.current_layout)) > 1},
         spannable_nodes(nodes, now, fresh_s),
+        {job.id for job, _, _ in chosen},
     )
 
 
@@ -412,12 +413,21 @@ def node_facts(
     newest_acked: Mapping[int, Allocation],
     tp: Mapping[int, int],
     spannable: Collection[int],
+    planned: Collection[int],
 ) -> NodeFacts:
     """What placement works on, as the loop (`dispatch.decide`) and admission (the snapshot)
     both build it: the ready nodes' slots, where jobs hold slots (`current`), the home node of
-    every paused job (`pause_homes`) and the jobs' tensor-parallel degrees."""
+    every paused job (`pause_homes`) and the jobs' tensor-parallel degrees.
+
+    Slots held by a job the plan leaves out (`planned`: the jobs it plans) are no slots to
+    place on: placement frees only the slots of jobs it places (a held job still running, say,
+    keeps its own until something stops it)."""
+    keep = set(planned)
     return NodeFacts(
-        nodes=tuple(NodeSlots(n.id, tuple(s.index for s in n.slots)) for n in nodes),
+        nodes=tuple(
+            NodeSlots(n.id, tuple(s.index for s in n.slots if s.job_id is None or s.job_id in keep))
+            for n in nodes
+        ),
         spannable=frozenset(spannable),
         current=current,
         tp=tp,

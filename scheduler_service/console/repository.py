@@ -25,6 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session, defer, selectinload
 
+from scheduler_service.db.ids import ids_in
 from scheduler_service.db.models import (
     Allocation,
     CarbonForecastRecord,
@@ -275,7 +276,7 @@ class ConsoleRepository:
         """The jobs with these ids, by id."""
         if not job_ids:
             return {}
-        rows = self.session.scalars(select(Job).where(Job.id.in_(list(job_ids))))
+        rows = self.session.scalars(select(Job).where(ids_in(Job.id, job_ids)))
         return {job.id: job for job in rows}
 
     # Events ---------------------------------------------------------------------------------

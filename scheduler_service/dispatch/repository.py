@@ -8,6 +8,7 @@ from typing import Any, cast
 from sqlalchemy import Select, Table, delete, func, insert, select
 from sqlalchemy.orm import Session, defer
 
+from scheduler_service.db.ids import ids_in
 from scheduler_service.db.models import Allocation, Job, Plan, PlanJob
 from scheduler_service.dispatch.plans import PLAN_BULK_COLUMNS, index_totals, plan_job_values
 
@@ -77,7 +78,7 @@ class AllocationRepository:
                 func.max(Allocation.generation).label("newest"),
                 func.max(Allocation.generation).filter(Allocation.status == "acked").label("acked"),
             )
-            .where(Allocation.job_id.in_(list(job_ids)))
+            .where(ids_in(Allocation.job_id, job_ids))
             .group_by(Allocation.job_id)
             .subquery()
         )
@@ -111,7 +112,7 @@ class AllocationRepository:
         if acked:
             top = top.where(Allocation.status == "acked")
         if job_ids is not None:
-            top = top.where(Allocation.job_id.in_(list(job_ids)))
+            top = top.where(ids_in(Allocation.job_id, job_ids))
         newest = top.group_by(Allocation.job_id).subquery()
         return select(Allocation).join(
             newest,
@@ -135,7 +136,7 @@ class AllocationRepository:
         """Commands by id, in one query."""
         if not allocation_ids:
             return {}
-        stmt = select(Allocation).where(Allocation.id.in_(sorted(allocation_ids)))
+        stmt = select(Allocation).where(ids_in(Allocation.id, sorted(allocation_ids)))
         return {a.id: a for a in self.session.scalars(stmt)}
 
     def add_plan(
@@ -175,7 +176,7 @@ class AllocationRepository:
         """A plan's per-job rows (of these jobs, of `owner`'s jobs when given), by job id."""
         stmt = select(PlanJob).where(PlanJob.plan_id == plan_id).order_by(PlanJob.job_id)
         if job_ids is not None:
-            stmt = stmt.where(PlanJob.job_id.in_(list(job_ids)))
+            stmt = stmt.where(ids_in(PlanJob.job_id, job_ids))
         if owner is not None:
             stmt = stmt.join(Job, Job.id == PlanJob.job_id).where(Job.owner == owner)
         return list(self.session.scalars(stmt))

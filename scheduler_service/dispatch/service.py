@@ -283,6 +283,7 @@ def loop_node_facts(
         newest_acked,
         {j: d for j in job_ids if j in rows and (d := tp_degree(rows[j].current_layout)) > 1},
         spannable_nodes(ready, now, span_fresh_s),
+        job_ids,
     )
 
 

@@ -11,6 +11,7 @@ from sqlalchemy import CursorResult, Row, Table, bindparam, func, insert, select
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
+from scheduler_service.db.ids import ids_in
 from scheduler_service.db.models import Job, JobEvent
 from scheduler_service.jobs.states import JobState
 
@@ -84,7 +85,7 @@ class JobRepository:
         id order (the order the ORM's flushes lock rows in, so two such writers cannot deadlock)."""
         if not job_ids:
             return {}
-        stmt = select(Job).where(Job.id.in_(job_ids))
+        stmt = select(Job).where(ids_in(Job.id, job_ids))
         if for_update:
             stmt = stmt.order_by(Job.id).with_for_update().execution_options(populate_existing=True)
         return {job.id: job for job in self.session.scalars(stmt)}
@@ -134,7 +135,7 @@ class JobRepository:
         """These jobs as the columns planning reads (one query, no ORM objects, no lock)."""
         if not job_ids:
             return {}
-        stmt = select(*PLAN_COLUMNS).where(Job.id.in_(sorted(job_ids)))
+        stmt = select(*PLAN_COLUMNS).where(ids_in(Job.id, sorted(job_ids)))
         return {row.id: row for row in (PlanRow(*values) for values in self.session.execute(stmt))}
 
     def defer_queued(
@@ -188,14 +189,16 @@ class JobRepository:
         """The state reason of each of these jobs (one query, no ORM objects)."""
         if not job_ids:
             return {}
-        rows = self.session.execute(select(Job.id, Job.state_reason).where(Job.id.in_(job_ids)))
+        rows = self.session.execute(select(Job.id, Job.state_reason).where(ids_in(Job.id, job_ids)))
         return {job_id: reason for job_id, reason in rows}
 
     def with_event(self, job_ids: Sequence[int], kind: str) -> set[int]:
         """Which of these jobs have an event of this kind (one query)."""
         if not job_ids:
             return set()
-        stmt = select(JobEvent.job_id).where(JobEvent.job_id.in_(job_ids), JobEvent.kind == kind)
+        stmt = select(JobEvent.job_id).where(
+            ids_in(JobEvent.job_id, job_ids), JobEvent.kind == kind
+        )
         return set(self.session.scalars(stmt.distinct()))
 
     def count_by_state(self) -> dict[str, int]:

@@ -9,6 +9,7 @@ from typing import cast
 from sqlalchemy import Table, bindparam, func, select, update
 from sqlalchemy.orm import Session, selectinload
 
+from scheduler_service.db.ids import ids_in
 from scheduler_service.db.models import GpuSlot, Node
 
 
@@ -75,7 +76,7 @@ class NodeRepository:
         """The slots each of these jobs holds, by node and index, in one query."""
         stmt = (
             select(GpuSlot)
-            .where(GpuSlot.job_id.in_(job_ids))
+            .where(ids_in(GpuSlot.job_id, job_ids))
             .order_by(GpuSlot.node_id, GpuSlot.index)
         )
         out: dict[int, list[GpuSlot]] = {}
@@ -123,7 +124,9 @@ class NodeRepository:
         this order (a later entry for a slot wins): two statements however many jobs move."""
         if job_ids:
             self.session.execute(
-                update(GpuSlot).where(GpuSlot.job_id.in_(sorted(set(job_ids)))).values(job_id=None)
+                update(GpuSlot)
+                .where(ids_in(GpuSlot.job_id, sorted(set(job_ids))))
+                .values(job_id=None)
             )
         if slots:
             table = cast(Table, GpuSlot.__table__)

@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session, selectinload
 
+from scheduler_service.db.ids import ids_in
 from scheduler_service.db.models import (
     Allocation,
     GpuSlot,
@@ -77,7 +78,9 @@ class TelemetryRepository:
             .label("rank")
         )
         ranked = (
-            select(TelemetrySample.id, rank).where(TelemetrySample.job_id.in_(job_ids)).subquery()
+            select(TelemetrySample.id, rank)
+            .where(ids_in(TelemetrySample.job_id, job_ids))
+            .subquery()
         )
         stmt = (
             select(TelemetrySample)
@@ -95,7 +98,7 @@ class TelemetryRepository:
             return {}
         stmt = (
             select(TelemetrySample)
-            .where(TelemetrySample.job_id.in_(job_ids), TelemetrySample.id > after_id)
+            .where(ids_in(TelemetrySample.job_id, job_ids), TelemetrySample.id > after_id)
             .order_by(TelemetrySample.job_id, TelemetrySample.at, TelemetrySample.id)
         )
         return _by_job(self.session.scalars(stmt))

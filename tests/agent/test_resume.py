@@ -5,6 +5,7 @@ trajectory.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,36 @@ def test_checkpoint_store_resumes_on_another_layout_and_ignores_other_workloads(
     with job.lock:
         job.stop("finished")
     assert not job_dir.exists()  # a finished job's checkpoints are removed
+
+
+def test_a_move_resumes_on_the_new_node_from_the_checkpoint_its_pause_wrote(
+    tmp_path: Path,
+) -> None:
+    # The scheduler moves a running job by a pause on its node, answered before the start on
+    # the new node (`dispatch/service._decide_job`): the pause writes the checkpoint the new
+    # node's start resumes from, at the step the pause stopped.
+    spec = job_spec_for(WORKLOAD, 2)
+    store = CheckpointStore(tmp_path / "ckpt")  # shared by both agents
+    old = ManagedJob(9, WORKLOAD, spec, node="a", backend="gloo", checkpoints=store)
+    with old.lock:
+        old.start([0, 1])
+    deadline = time.monotonic() + 60
+    while old.step < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with old.lock:
+        old.pause()
+    assert old.paused is not None
+    paused_at = old.paused.step
+    assert paused_at >= 2
+    new = ManagedJob(9, WORKLOAD, spec, node="b", backend="gloo", checkpoints=store)
+    try:
+        with new.lock:
+            new.start([0])
+            new.pause()
+        assert new.resumed_from == f"checkpoint@step{paused_at}"
+        assert new.ack(3).resumed_from == f"checkpoint@step{paused_at}"
+        assert new.paused is not None and new.paused.step >= paused_at
+    finally:
+        for job in (old, new):
+            with job.lock:
+                job.stop()

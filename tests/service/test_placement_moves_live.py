@@ -299,3 +299,43 @@ def _ack(job_id: int, generation: int, *, gpus: int, step: int, resumed: str | N
         worker_pids=[21, 22] if gpus else [],
         resumed_from=resumed,
     )
+
+
+def test_slots_of_a_job_the_plan_leaves_out_are_not_given_to_another(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # h runs on a's two GPUs and is held (the snapshot plans no held job), q is queued and
+    # planned 2 GPUs: neither admission's check nor the loop may give q h's slots.
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    config = _config(limit_kg=1000.0)
+    now = utcnow()
+    with transaction(factory) as session:
+        a = add_node(session, "a", 2, state="ready", last_heartbeat_at=now).id
+    times = {"total_samples": 10**8, "created_at": now, "updated_at": now}
+    h = _add_job(
+        factory, name="h", state=JobState.RUNNING.value, state_reason="running", held=True,
+        current_gpus=2, **times,
+    )  # fmt: skip
+    q = _add_job(factory, name="q", state=JobState.QUEUED.value, state_reason="submitted", **times)
+    with transaction(factory) as session:
+        for slot in session.scalars(select(GpuSlot)):
+            slot.job_id = h
+        session.add(
+            Allocation(
+                job_id=h, generation=1, node_id=a, gpus=2, slot_indices=[0, 1], status="acked"
+            )
+        )
+    try:
+        with transaction(factory) as session:
+            planning = read_snapshot(session, config, _forecast(), JobModels(), now)
+        assert [j.job_id for j in planning.problem.jobs] == [str(q)]
+        allowed = {q: planning.problem.jobs[0].allowed_gpus}
+        assert planning.nodes.place_rows({q: (2,)}, allowed, [q]) == {q: (0,)}
+        _decide_plan(factory, config, now, {q: 2})
+        with transaction(factory) as session:
+            held = {s.index: s.job_id for s in session.scalars(select(GpuSlot))}
+            assert held == {0: h, 1: h}
+            assert not session.scalars(select(Allocation).where(Allocation.job_id == q)).all()
+    finally:
+        engine.dispose()
