@@ -511,6 +511,7 @@ class ControlLoop:
             rows,
             # A spanning job is not placed across a node silent for three heartbeats.
             span_fresh_s=span_fresh_s(self.config),
+            move_running=self.config.cluster.checkpoints_shared,
         )
         record_deadline_risks(session, planning.problem, plan, rows, now)
         if changed:

@@ -42,7 +42,14 @@ from scheduler_service.dispatch.repository import AllocationRepository
 from scheduler_service.jobs.repository import JobRepository, PlanRow
 from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
-from scheduler_service.placement import NodeFacts, NodeSlots, Placement, job_placement, tp_degree
+from scheduler_service.placement import (
+    LIVE_MOVABLE,
+    NodeFacts,
+    NodeSlots,
+    Placement,
+    job_placement,
+    tp_degree,
+)
 from scheduler_service.settings import GreenflowConfig
 from scheduler_service.telemetry.repository import TelemetryRepository
 from scheduler_service.telemetry.service import total_samples_of
@@ -367,7 +374,9 @@ def read_rows(
         frozenset(deprioritised),
         team_windows,
         spannable,
-        _node_facts(session, nodes, chosen, now, span_fresh_s(config)),
+        _node_facts(
+            session, nodes, chosen, now, span_fresh_s(config), config.cluster.checkpoints_shared
+        ),
     )
 
 
@@ -377,6 +386,7 @@ def _node_facts(
     chosen: Sequence[tuple[PlanRow, tuple[int, ...], int]],
     now: datetime,
     fresh_s: float,
+    move_running: bool,
 ) -> NodeFacts:
     """The ready nodes (already read) as the loop's placement sees them (`node_facts`); the
     planned jobs' newest commands in one query (none without a ready node)."""
@@ -404,6 +414,7 @@ def _node_facts(
         {job.id: d for job, _, _ in chosen if (d := tp_degree(job.current_layout)) > 1},
         spannable_nodes(nodes, now, fresh_s),
         {job.id for job, _, _ in chosen},
+        move_running,
     )
 
 
@@ -414,6 +425,7 @@ def node_facts(
     tp: Mapping[int, int],
     spannable: Collection[int],
     planned: Collection[int],
+    move_running: bool,
 ) -> NodeFacts:
     """What placement works on, as the loop (`dispatch.decide`) and admission (the snapshot)
     both build it: the ready nodes' slots, where jobs hold slots (`current`), the home node of
@@ -421,7 +433,8 @@ def node_facts(
 
     Slots held by a job the plan leaves out (`planned`: the jobs it plans) are no slots to
     place on: placement frees only the slots of jobs it places (a held job still running, say,
-    keeps its own until something stops it)."""
+    keeps its own until something stops it). `move_running`: running jobs may move to another
+    node (`[cluster] checkpoints_shared`); else only jobs holding no slots are placed elsewhere."""
     keep = set(planned)
     return NodeFacts(
         nodes=tuple(
@@ -432,6 +445,7 @@ def node_facts(
         current=current,
         tp=tp,
         homes=pause_homes(newest_acked, current),
+        movable=LIVE_MOVABLE if move_running else frozenset(),
     )
 
 

@@ -194,6 +194,11 @@ class ClusterConfig(BaseModel):
     max_power_per_gpu_w: Annotated[float, Field(gt=0, le=10_000)] = 1500.0
     # ... nor a throughput more than this many times the job's prior model at its GPU count.
     telemetry_rate_factor: Annotated[float, Field(ge=1, le=10_000)] = 20.0
+    # The agents' --checkpoint-dir is one shared storage every node reads. Only then does
+    # placement move a running job to another node to keep a planned count (paused on its node,
+    # checkpointed, resumed on the new one at that step); on node-local checkpoints the move
+    # would restart it from an older checkpoint or step 0, so running jobs keep their node.
+    checkpoints_shared: bool = False
 
 
 EntrypointPattern = Annotated[

@@ -190,6 +190,7 @@ def decide(
     now: datetime,
     rows: Mapping[int, PlanRow] | None = None,
     span_fresh_s: float | None = None,
+    move_running: bool = False,
 ) -> int:
     """Place the plan's first slot and stage a command for every job whose placement changes.
 
@@ -205,7 +206,9 @@ def decide(
     allocations = AllocationRepository(session)
     # One read of the newest command and the newest acknowledged one of every planned job.
     newest, newest_acked = allocations.newest_and_newest_acked(job_ids)
-    facts = loop_node_facts(session, job_ids, rows, newest, newest_acked, now, span_fresh_s)
+    facts = loop_node_facts(
+        session, job_ids, rows, newest, newest_acked, now, span_fresh_s, move_running
+    )
     current = facts.current
     allowed = {
         int(k): spec.allowed_gpus
@@ -273,6 +276,7 @@ def loop_node_facts(
     newest_acked: Mapping[int, Allocation],
     now: datetime,
     span_fresh_s: float | None,
+    move_running: bool = False,
 ) -> NodeFacts:
     """What the loop places the planned jobs on (`node_facts`), read in the writing transaction:
     admission's check places plans on the same facts, read by its snapshot (`planning`)."""
@@ -284,6 +288,7 @@ def loop_node_facts(
         {j: d for j in job_ids if j in rows and (d := tp_degree(rows[j].current_layout)) > 1},
         spannable_nodes(ready, now, span_fresh_s),
         job_ids,
+        move_running,
     )
 
 

@@ -182,6 +182,12 @@ def _two_running_and_one_new(
     return a, b, r, s, e
 
 
+def _shared(config: Any) -> Any:
+    """`config` with `[cluster] checkpoints_shared = true`: running jobs may move."""
+    cluster = config.cluster.model_copy(update={"checkpoints_shared": True})
+    return config.model_copy(update={"cluster": cluster})
+
+
 def _decide_plan(factory: Any, config: Any, now: datetime, rows: dict[int, int]) -> None:
     """The loop's write step for a plan whose every slot asks `rows` (GPUs per job)."""
     with transaction(factory) as session:
@@ -195,7 +201,31 @@ def _decide_plan(factory: Any, config: Any, now: datetime, rows: dict[int, int])
         solve_s=0.0,
     )
     with transaction(factory) as session:
-        decide(session, planning, plan, now)
+        decide(session, planning, plan, now, move_running=config.cluster.checkpoints_shared)
+
+
+def test_a_running_job_keeps_its_node_where_checkpoints_are_not_shared(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # As below, but the agents' checkpoints are node-local (the default): moving r would restart
+    # it from an older checkpoint or step 0 on b, so it stays, and e gets what fits (2 GPUs).
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    secrets = NodeSecrets.generate()
+    now = utcnow()
+    _, _, r, s, e = _two_running_and_one_new(factory, secrets, now)
+    try:
+        _decide_plan(factory, _config(limit_kg=1000.0), now, {e: 4, r: 2, s: 2})
+        with transaction(factory) as session:
+            pending = list(
+                session.scalars(select(Allocation).where(Allocation.status == "pending"))
+            )
+            assert [(c.job_id, c.gpus) for c in pending] == [(e, 2)]
+            assert "4 GPUs asked, 2 placed" in (pending[0].reason or ""), pending[0].reason
+            moves = session.scalars(select(JobEvent).where(JobEvent.kind == "placement_move"))
+            assert list(moves) == []
+    finally:
+        engine.dispose()
 
 
 def test_a_running_job_moves_by_a_pause_answered_before_its_start_on_the_new_node(
@@ -209,7 +239,7 @@ def test_a_running_job_moves_by_a_pause_answered_before_its_start_on_the_new_nod
     now = utcnow()
     a, b, r, s, e = _two_running_and_one_new(factory, secrets, now)
     try:
-        _decide_plan(factory, _config(limit_kg=1000.0), now, {e: 4, r: 2, s: 2})
+        _decide_plan(factory, _shared(_config(limit_kg=1000.0)), now, {e: 4, r: 2, s: 2})
         with transaction(factory) as session:
             commands = {
                 (c.job_id, c.generation): c
@@ -268,7 +298,7 @@ def test_a_refused_pause_withdraws_the_moves_start_and_gives_the_job_its_slots_b
     now = utcnow()
     a, _, r, s, e = _two_running_and_one_new(factory, secrets, now)
     try:
-        _decide_plan(factory, _config(limit_kg=1000.0), now, {e: 4, r: 2, s: 2})
+        _decide_plan(factory, _shared(_config(limit_kg=1000.0)), now, {e: 4, r: 2, s: 2})
         with transaction(factory) as session:
             pause = session.scalars(
                 select(Allocation).where(Allocation.job_id == r, Allocation.generation == 2)
