@@ -155,7 +155,7 @@ class PlannerConfig(BaseModel):
     # A running job's model is refitted from its new telemetry at most this often (0: at every
     # tick that has new samples for it).
     model_refit_interval_s: Annotated[float, Field(ge=0, le=86_400)] = 0.0
-    # At most this many refits a tick, the longest waiting first (a refit takes about 45 ms: a
+    # At most this many refits a tick, the longest waiting first (a refit takes 8-12 ms: a
     # thousand running jobs refitted at every tick would outgrow the solve).
     model_refits_per_tick: Annotated[int, Field(ge=1, le=1_000_000)] = 64
     # Wakes (submissions, cancels, registrations, finished jobs) within this many seconds of
