@@ -119,13 +119,16 @@ class AllocationRepository:
             (Allocation.job_id == newest.c.job_id) & (Allocation.generation == newest.c.generation),
         )
 
-    def unacknowledged(self) -> list[Allocation]:
-        """Commands still to deliver (pending or failed delivery), oldest first."""
+    def unacknowledged(self, job_id: int | None = None) -> list[Allocation]:
+        """Commands still to deliver (pending or failed delivery), oldest first; `job_id`: only
+        that job's."""
         stmt = (
             select(Allocation)
             .where(Allocation.status.in_(("pending", "unreachable")))
             .order_by(Allocation.id)
         )
+        if job_id is not None:
+            stmt = stmt.where(Allocation.job_id == job_id)
         return list(self.session.scalars(stmt))
 
     def get(self, allocation_id: int) -> Allocation | None:

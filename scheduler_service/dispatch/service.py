@@ -668,8 +668,8 @@ def _withdraw_move(session: Session, refused: Allocation) -> bool:
         return False
     newer = [
         a
-        for a in AllocationRepository(session).unacknowledged()
-        if a.job_id == refused.job_id and a.generation > refused.generation
+        for a in AllocationRepository(session).unacknowledged(refused.job_id)
+        if a.generation > refused.generation
     ]
     for allocation in newer:
         allocation.status = "superseded"
@@ -685,12 +685,12 @@ def _restore_acked_slots(
     The tick that staged the refused command gave the job its slots at once; left so, the next
     tick would see the job already placed as planned and never send it again, while the agent
     ran it on its old slots (or not at all) and the new ones stayed idle."""
-    allocations = AllocationRepository(session)
-    newest = allocations.newest_by_job([refused.job_id]).get(refused.job_id)
+    newest_of, acked_of = AllocationRepository(session).newest_and_newest_acked([refused.job_id])
+    newest = newest_of.get(refused.job_id)
     if newest is not None and newest.id != refused.id and not newer_withdrawn:
         return  # a newer command already decides where the job goes
     nodes = NodeRepository(session)
-    acked = allocations.newest_by_job([refused.job_id], acked=True).get(refused.job_id)
+    acked = acked_of.get(refused.job_id)
     if acked is None or acked.gpus == 0 or acked.node_id is None:
         nodes.release_job(refused.job_id)
         return

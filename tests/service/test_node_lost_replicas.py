@@ -16,6 +16,7 @@ from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.nodes.service import heartbeat, mark_lost_nodes
 from tests.api.conftest import database_url, postgres_server  # noqa: F401
+from tests.support.rows import add_node
 from worker_agent.protocol import Heartbeat, RunningJob
 
 
@@ -26,16 +27,17 @@ def test_the_runner_node_going_on_alone_frees_the_lost_nodes_slots_once(
     factory = make_session_factory(engine)
     now = datetime.now(UTC)
     with transaction(factory) as session:
-        nodes = {}
-        for name in ("a", "b"):
-            node = Node(
-                name=name, agent_url="http://127.0.0.1:9", last_heartbeat_at=now,
-                secret_key_id="k", agent_secret_nonce="nonce",
-            )  # fmt: skip
-            session.add(node)
-            session.flush()
-            session.add_all(GpuSlot(node_id=node.id, index=i) for i in range(2))
-            nodes[name] = node.id
+        nodes = {
+            name: add_node(
+                session,
+                name,
+                2,
+                last_heartbeat_at=now,
+                secret_key_id="k",
+                agent_secret_nonce="nonce",
+            ).id
+            for name in ("a", "b")
+        }
         job = Job(
             owner="alice", name="wide", workload="resnet50", global_batch_size=256,
             total_samples=10**9, min_gpus=1, max_gpus=4, state=JobState.RUNNING.value,

@@ -6,12 +6,13 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from scheduler_service.db.base import utcnow
-from scheduler_service.db.models import Allocation, GpuSlot, Job, Node
+from scheduler_service.db.models import Allocation, GpuSlot, Job
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.dispatch.service import record_failure
 from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
 from tests.api.conftest import database_url, postgres_server  # noqa: F401
+from tests.support.rows import add_node
 
 
 def test_a_refused_resize_gives_the_job_back_its_acknowledged_slots(
@@ -21,11 +22,7 @@ def test_a_refused_resize_gives_the_job_back_its_acknowledged_slots(
     factory = make_session_factory(engine)
     now = utcnow()
     with transaction(factory) as session:
-        node = Node(name="n-refuse", agent_url="http://127.0.0.1:9", last_heartbeat_at=now)
-        session.add(node)
-        session.flush()
-        node_id = node.id
-        session.add_all(GpuSlot(node_id=node_id, index=i) for i in range(4))
+        node_id = add_node(session, "n-refuse", 4, last_heartbeat_at=now).id
         jobs = [
             Job(
                 owner="alice",
@@ -114,11 +111,7 @@ def test_a_refusal_overtaken_by_a_newer_command_changes_no_slot(
     factory = make_session_factory(engine)
     now = utcnow()
     with transaction(factory) as session:
-        node = Node(name="n-overtaken", agent_url="http://127.0.0.1:9", last_heartbeat_at=now)
-        session.add(node)
-        session.flush()
-        node_id = node.id
-        session.add_all(GpuSlot(node_id=node_id, index=i) for i in range(2))
+        node_id = add_node(session, "n-overtaken", 2, last_heartbeat_at=now).id
         job = Job(
             owner="alice", name="j", workload="mlp", global_batch_size=16, total_samples=10**6,
             min_gpus=1, max_gpus=2, state=JobState.RUNNING.value, state_reason="",
