@@ -507,7 +507,9 @@ class Agent:
                 return job.ack(cmd.generation)
             if job.state in ("idle", "paused"):
                 job.start(slots, cmd.remote)
-                return job.ack(cmd.generation)
+                # The step it started at: training may already be a step further on an idle
+                # machine, and the scheduler's "started at step N" and rewind read this.
+                return job.ack(cmd.generation, at_step=job.start_step)
             if set(slots) == set(job.slot_indices) and _remote_slots(cmd.remote) == _remote_slots(
                 job.remote
             ):

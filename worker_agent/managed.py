@@ -132,6 +132,8 @@ class ManagedJob:
         self.checkpoint_interval_s = checkpoint_interval_s
         self._checkpoint_at = time.monotonic()
         self.resumed_from = "start"
+        self.start_step = 0
+        """The step the current run started at (0, the pause's or the checkpoint's)."""
         self.exported_to: Path | None = None
         """Where the finished job's result was exported."""
         self.job_error = False
@@ -192,16 +194,22 @@ class ManagedJob:
         )
 
     def ack(
-        self, generation: int, report: SwitchReport | None = None, *, started: bool = True
+        self,
+        generation: int,
+        report: SwitchReport | None = None,
+        *,
+        started: bool = True,
+        at_step: int | None = None,
     ) -> AllocationAck:
         """The acknowledgement of the command that produced the current allocation (`started`:
-        that command started the run, rather than finding it already on these slots)."""
+        that command started the run, rather than finding it already on these slots; `at_step`:
+        the step to report instead of the progress now, e.g. where a start began)."""
         return AllocationAck(
             job_id=self.job_id,
             generation=generation,
             gpus=self.gpus,
             layout=self.layout(),
-            step=self.step,
+            step=self.step if at_step is None else at_step,
             worker_pids=self.worker_pids(),
             hot_switch=report is not None,
             switch_s=None if report is None else report.switch_s,
@@ -325,6 +333,7 @@ class ManagedJob:
         self._sample_busy_s = self._busy_acc_s
         self._sample_step = self.step
         self._checkpoint_at = time.monotonic()
+        self.start_step = self._sample_step
         self._run()
 
     def maybe_checkpoint(self, now: float) -> bool:
