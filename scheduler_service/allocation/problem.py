@@ -840,6 +840,8 @@ def _maximal_configurations(
     """Per combination of one count per job (or off) within `capacity_gpus` that no job can
     raise to a faster count of its own without exceeding it: (job index, rate) per job on;
     None past MAX_AFTER_HORIZON_CONFIGS combinations (or 20 times as many partial ones)."""
+    if math.prod(len(o) + 1 for o in options) > 20 * MAX_AFTER_HORIZON_CONFIGS:
+        return None  # many jobs past the horizon: not worth a search that would give up
     out: list[list[tuple[int, float]]] = []
     budget = [20 * MAX_AFTER_HORIZON_CONFIGS]  # partial combinations the search may still try
 
