@@ -25,6 +25,9 @@ def total_gpus_per_slot(gpus_by_job: Mapping[str, Sequence[int]], num_slots: int
 def trimmed(gpus: Sequence[int]) -> list[int]:
     """A job's GPUs per slot without the trailing zeros (the stored form), but at least its
     first slot: an empty row is a job the plan names only for its missed deadline."""
+    if not any(gpus):
+        # Most rows after a burst (deferred jobs): checked in C, not slot by slot in Python.
+        return list(gpus[:1])
     end = len(gpus)
     while end > 1 and not gpus[end - 1]:
         end -= 1

@@ -72,9 +72,11 @@ def _current_placements(
 
 
 def _why_not_now(plan: AllocationPlan, job_id: str, budget_left_kg: float) -> str:
-    later = [t for t, gpus in enumerate(plan.gpus.get(job_id, ())) if gpus > 0]
-    if later:
-        start = plan.start_at.timestamp() + later[0] * plan.slot_s
+    row = plan.gpus.get(job_id, ())
+    # any() first, in C: most jobs deferred after a burst get no GPUs in the whole horizon.
+    if any(row):
+        first = next(t for t, gpus in enumerate(row) if gpus > 0)
+        start = plan.start_at.timestamp() + first * plan.slot_s
         return f"waiting for cleaner power: planned to run from {datetime.fromtimestamp(start).astimezone().isoformat(timespec='seconds')}"
     if job_id in plan.team_cut:
         return (

@@ -7,10 +7,25 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Row, Table, bindparam, func, insert, select, update
+from sqlalchemy import (
+    BigInteger,
+    CursorResult,
+    Integer,
+    Row,
+    Table,
+    Text,
+    bindparam,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
+from scheduler_service.db.base import UTCDateTime
+from scheduler_service.db.bulk import on_postgresql, unnested
 from scheduler_service.db.ids import ids_in
 from scheduler_service.db.models import Job, JobEvent
 from scheduler_service.jobs.states import JobState
@@ -142,13 +157,17 @@ class JobRepository:
         self, reasons: Mapping[int, str], versions: Mapping[int, int], at: datetime
     ) -> None:
         """Move these QUEUED jobs to DEFERRED with their reasons, and record each move's event:
-        one UPDATE (an executemany) and one INSERT for all of them, no ORM object. A job no
-        longer QUEUED at the version read (`versions`) raises StaleDataError: it changed
-        meanwhile, and the tick plans again."""
+        one UPDATE and one INSERT for all of them, no ORM object (on PostgreSQL each binds one
+        array per column, `db.bulk`; elsewhere an executemany). A job no longer QUEUED at the
+        version read (`versions`) raises StaleDataError: it changed meanwhile, and the tick
+        plans again."""
         if not reasons:
             return
-        jobs, job_events = cast(Table, Job.__table__), cast(Table, JobEvent.__table__)
         ids = sorted(reasons)  # id order, as the ORM's flushes lock rows
+        if on_postgresql(self.session):
+            self._defer_queued_arrays(ids, reasons, versions, at)
+            return
+        jobs, job_events = cast(Table, Job.__table__), cast(Table, JobEvent.__table__)
         result = self.session.execute(
             update(jobs)
             .where(
@@ -183,6 +202,61 @@ class JobRepository:
                 }
                 for j in ids
             ],
+        )
+
+    def _defer_queued_arrays(
+        self,
+        ids: Sequence[int],
+        reasons: Mapping[int, str],
+        versions: Mapping[int, int],
+        at: datetime,
+    ) -> None:
+        """`defer_queued` in three statements whatever the count (PostgreSQL)."""
+        jobs, job_events = cast(Table, Job.__table__), cast(Table, JobEvent.__table__)
+        # Locked first, in id order: an UPDATE joined to the array locks rows in its plan's
+        # order, and telemetry locks jobs in id order (two orders could deadlock).
+        self.session.execute(
+            select(jobs.c.id).where(ids_in(jobs.c.id, ids)).order_by(jobs.c.id).with_for_update()
+        ).all()
+        given = unnested(
+            "given",
+            [
+                ("id", BigInteger(), ids),
+                ("version", Integer(), [versions[j] for j in ids]),
+                ("reason", Text(), [reasons[j] for j in ids]),
+            ],
+        )
+        result = self.session.execute(
+            update(jobs)
+            .where(
+                jobs.c.id == given.c.id,
+                jobs.c.version == given.c.version,
+                jobs.c.state == JobState.QUEUED.value,
+            )
+            .values(
+                state=JobState.DEFERRED.value,
+                state_reason=given.c.reason,
+                version=jobs.c.version + 1,
+                updated_at=at,
+            )
+        )
+        if cast(CursorResult[Any], result).rowcount != len(ids):
+            raise StaleDataError(
+                f"a queued job changed while the tick planned ({len(ids)} deferred)"
+            )
+        self.session.execute(
+            insert(job_events).from_select(
+                ["job_id", "at", "kind", "from_state", "to_state", "reason", "actor"],
+                select(
+                    given.c.id,
+                    literal(at, UTCDateTime()),
+                    literal("state"),
+                    literal(JobState.QUEUED.value),
+                    literal(JobState.DEFERRED.value),
+                    given.c.reason,
+                    literal("system"),
+                ),
+            )
         )
 
     def state_reasons(self, job_ids: Sequence[int]) -> dict[int, str]:

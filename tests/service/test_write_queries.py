@@ -52,13 +52,23 @@ class _Ticks:
             def on_load(job: Job, _context: Any) -> None:
                 loaded.append(job.id)
 
+            sent: list[int] = []
+
+            def on_execute(
+                _conn: Any, _cursor: Any, _sql: str, params: Any, _ctx: Any, many: bool
+            ) -> None:
+                # An executemany sends one statement per parameter set.
+                sent.append(len(params) if many else 1)
+
             event.listen(Job, "load", on_load)
+            event.listen(self.engine, "before_cursor_execute", on_execute)
             try:
                 with counted(self.engine) as statements:
                     write_plan(*args, **kwargs)
             finally:
                 event.remove(Job, "load", on_load)
-            self.phase.update(statements=len(statements), loaded=set(loaded))
+                event.remove(self.engine, "before_cursor_execute", on_execute)
+            self.phase.update(statements=len(statements), loaded=set(loaded), sent=sum(sent))
 
         loop._write_plan = counted_write  # type: ignore[method-assign]
 
@@ -149,5 +159,32 @@ def test_queued_jobs_are_deferred_in_one_update_however_many_and_none_is_loaded(
         # Not loaded as ORM objects, and 30 deferred in as many statements as 3.
         assert not loaded_few & set(few) and not loaded_many & set(many)
         assert statements_many == statements_few
+    finally:
+        ticks.engine.dispose()
+
+
+def test_on_postgresql_deferring_and_storing_the_plan_send_as_many_statements_for_30_jobs_as_3(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # One GPU, held by the first job: every job queued after it is deferred (its row updated,
+    # an event added) and has a row in the stored plan. On PostgreSQL each of those writes binds
+    # one array per column (`db.bulk`); SQLite sends an executemany, a statement per row.
+    ticks = _Ticks(database_url, 1)
+    try:
+        ticks.queue(1, 0, priority=100)
+        ticks.tick()
+        few = ticks.queue(3, 10)
+        ticks.tick()
+        sent_few = ticks.phase["sent"]
+        many = ticks.queue(30, 100)
+        _, _, _, planned = ticks.tick()
+        sent_many = ticks.phase["sent"]
+        assert planned == 34
+        assert ticks.deferred(few) == set(few) and ticks.deferred(many) == set(many)
+        if ticks.engine.dialect.name == "postgresql":
+            assert sent_many == sent_few
+        else:
+            # 30 more deferred jobs: 30 more UPDATEs, events and plan rows each.
+            assert sent_many >= sent_few + 3 * 27
     finally:
         ticks.engine.dispose()
