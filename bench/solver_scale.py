@@ -300,7 +300,7 @@ def mip_check(
 
 
 # Plan origins that are the OR-Tools model's (the LP's roundings and the MIPs).
-ORTOOLS_STEPS = ("lp_ceil", "lp_nearest", "near_mip", "exact_mip")
+ORTOOLS_STEPS = ("lp_ceil", "lp_nearest", "lp_greedy", "lp_greedy_2", "near_mip", "exact_mip")
 
 
 def plan_roots(chosen: list[str]) -> list[str]:

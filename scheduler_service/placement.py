@@ -9,12 +9,19 @@ Without it, or beyond what those nodes hold, a count that fits on no node is low
 largest allowed count that does. Either way, every job placed with fewer GPUs than its target
 gets a reason in `Placed.short`, which the caller records.
 
+Jobs stay where they are when the plan fits there: a job without slots (placed in `order`,
+maybe before a running job that grows) goes where it leaves free the GPUs that jobs placed after
+it need to stay put (a running job's growth on its own node, a paused job's count on its home
+node), wherever some node holds it so.
+
 With `move_jobs`, a job that would be placed short because the free GPUs are scattered over
 nodes gets a node made whole for it instead: it moves to a node with room, or jobs inside one
-node move, whole and at their counts, off a node onto others' free GPUs (fewest jobs moved, then
-fewest GPUs; the job's own node first). Each move is in `Placed.moved` with its reason: it costs
-the moved job a switch across nodes. `movable` limits which jobs holding slots may move (the live
-rule: `LIVE_MOVABLE`); jobs without slots are placed wherever makes room.
+node move, whole and at their counts, off a node onto others' free GPUs (the cheapest moves: the
+fewest running jobs moved, the job itself included, then their fewest GPUs, then paused jobs
+placed off their home node, then jobs not yet started; the job's own node first). Each move of
+a running or paused job is in `Placed.moved` with its reason: it costs the moved job a switch
+across nodes. `movable` limits which jobs holding slots may move (the live rule:
+`LIVE_MOVABLE`); jobs without slots are placed wherever makes room.
 """
 
 from __future__ import annotations
@@ -160,6 +167,7 @@ def place_jobs(
                 f"{target} GPUs asked, {target - left} placed: each node's part holds whole "
                 f"tensor-parallel groups of {step}"
             )
+    reserved, reserve_of = _reservations(targets, order, out.placements, held, free, home)
     for job_id in order:
         if job_id in out.placements:
             continue
@@ -168,13 +176,17 @@ def place_jobs(
             # Nothing to place (most of a long queue): no search over every node for it.
             out.placements[job_id] = NOWHERE
             continue
+        if job_id in reserve_of:
+            # Its own room: what it reserved is free for it now.
+            node_id, count = reserve_of.pop(job_id)
+            reserved[node_id] -= count
         step = max(1, tp.get(job_id, 1)) if span_nodes else 1
         counts = sorted(
             {g for g in allowed.get(job_id, (target,)) if 0 < g <= target}, reverse=True
         ) or ([target] if target else [])
         mine = held.get(job_id)
         if mine is not None:
-            placement, why = _grow(mine, target, counts, step, free, span_nodes, span_ok)
+            placement, why = _grow(mine, target, counts, step, free, span_nodes, span_ok, reserved)
         else:
             home_id = (home or {}).get(job_id)
             if home_id in free and 0 < target <= len(free[home_id]) and target % step == 0:
@@ -182,7 +194,22 @@ def place_jobs(
                 del free[home_id][:target]
                 out.placements[job_id] = Placement(home_id, taken)
                 continue
-            placement, why = _place_new(target, counts, step, free, span_nodes, span_ok)
+            placement, why = _place_new(target, counts, step, free, span_nodes, span_ok, reserved)
+            if (
+                move_jobs
+                and placement.gpus == target
+                and not placement.others
+                and any(len(free[n]) < reserved[n] for n, _ in placement.parts)
+            ):
+                # It took GPUs reserved for a job placed later (best fit packed the jobs before
+                # it badly): moving jobs that have not started yet may make room elsewhere.
+                before = _give_back(free, placement, None)
+                made = _make_room(
+                    job_id, target, None, before, capacity, out, held, frozenset(), home,
+                    reserved=reserved, not_started_only=True,
+                )  # fmt: skip
+                if made is not None:
+                    free, placement = before, made
         if move_jobs and placement.gpus < target:
             # The free slots before this job took any: where moving jobs starts from (copied
             # only for a job placed short, not for every job of a long queue).
@@ -386,8 +413,53 @@ def _give_back(
     return out
 
 
-def _most_free(free: dict[int, list[int]], skip: set[int]) -> list[int]:
-    return sorted((n for n in free if n not in skip), key=lambda n: (-len(free[n]), n))
+def _reservations(
+    targets: Mapping[int, int],
+    order: Sequence[int],
+    placed: Mapping[int, Placement],
+    held: Mapping[int, list[Part]],
+    free: Mapping[int, list[int]],
+    home: Mapping[int, int] | None,
+) -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
+    """GPUs per node that jobs still to be placed need to stay where they are (a running job's
+    growth on its own node, a paused job's count on its home node), and each job's share.
+
+    A job placed before them in `order` goes elsewhere when it can (`_place_new`, `_grow`):
+    else a running job placed after it could grow only by moving, or a paused one resume only
+    off the node that holds its state."""
+    reserved = dict.fromkeys(free, 0)
+    reserve_of: dict[int, tuple[int, int]] = {}
+    for job_id in order:
+        target = targets.get(job_id, 0)
+        if not target or job_id in placed:
+            continue
+        mine = held.get(job_id)
+        if mine is not None:
+            node_id, count = mine[0][0], target - sum(len(s) for _, s in mine)
+        elif home is not None and home.get(job_id) in free:
+            node_id, count = home[job_id], target
+        else:
+            continue
+        if count > 0:
+            reserved[node_id] += count
+            reserve_of[job_id] = (node_id, count)
+    return reserved, reserve_of
+
+
+def _unreserved(free: Mapping[int, list[int]], reserved: Mapping[int, int], node_id: int) -> int:
+    """Free GPUs of a node that no job still to be placed needs to stay where it is."""
+    return len(free[node_id]) - reserved.get(node_id, 0)
+
+
+def _most_free(
+    free: dict[int, list[int]], skip: set[int], reserved: Mapping[int, int] | None = None
+) -> list[int]:
+    """Nodes not in `skip`, those with the most free GPUs no one reserved first."""
+    reserved = reserved or {}
+    return sorted(
+        (n for n in free if n not in skip),
+        key=lambda n: (-_unreserved(free, reserved, n), -len(free[n]), n),
+    )
 
 
 def _grow(
@@ -398,8 +470,10 @@ def _grow(
     free: dict[int, list[int]],
     span_nodes: bool,
     span_ok: set[int],
+    reserved: Mapping[int, int] | None = None,
 ) -> tuple[Placement, str]:
-    """Grow a running job: its own node first, then (span_nodes) its other nodes, then more."""
+    """Grow a running job: its own node first, then (span_nodes) its other nodes, then more
+    (those with the most free GPUs that no job placed later reserved first)."""
     have = sum(len(s) for _, s in parts)
     own = parts[0][0]
     if span_nodes and own not in span_ok:
@@ -419,7 +493,9 @@ def _grow(
         why = f"its node {own} has {spare} more free GPUs and a job runs inside one node"
         return _from_parts([(own, parts[0][1] + tuple(added)), *parts[1:]]), why
     room = {n: len(free[n]) - len(free[n]) % step for n in free}
-    order = [n for n, _ in parts] + _most_free(free, {n for n, _ in parts} | (set(free) - span_ok))
+    order = [n for n, _ in parts] + _most_free(
+        free, {n for n, _ in parts} | (set(free) - span_ok), reserved
+    )
     avail = have + sum(room[n] for n in order)
     fits = [g for g in counts if have <= g <= avail and (g - have) % step == 0] or [have]
     extra = fits[0] - have
@@ -443,17 +519,26 @@ def _place_new(
     free: dict[int, list[int]],
     span_nodes: bool,
     span_ok: set[int],
+    reserved: Mapping[int, int] | None = None,
 ) -> tuple[Placement, str]:
     """A job without slots: best fit on one node; else (span_nodes) across the fewest nodes
-    that may be spanned, when that holds more than any one node."""
+    that may be spanned, when that holds more than any one node. Either way it takes GPUs
+    `reserved` for jobs placed later only where no other node holds it."""
+    reserved = reserved or {}
     most = max((len(s) for s in free.values()), default=0)
     one_node = [c for c in counts if c % step == 0]
     single: tuple[int, int] | None = None
     for count in one_node:
-        # Best fit: the node with the fewest free slots that still holds the job.
-        fitting = [(len(slots), n) for n, slots in free.items() if len(slots) >= count]
+        # Best fit: the node with the fewest free slots that still holds the job, counting only
+        # those no job placed later reserved where any node holds it so.
+        fitting = [
+            (spare < count, spare if spare >= count else len(slots), n)
+            for n, slots in free.items()
+            if len(slots) >= count
+            for spare in (_unreserved(free, reserved, n),)
+        ]
         if fitting:
-            single = (count, min(fitting)[1])
+            single = (count, min(fitting)[2])
             break
     room = {n: len(free[n]) - len(free[n]) % step for n in free if n in span_ok}
     avail = sum(room.values())
@@ -469,7 +554,7 @@ def _place_new(
         return NOWHERE, _why_spanning(avail, step) if span_nodes else _why_one_node(target, most)
     parts: list[Part] = []
     left = spanned
-    for n in _most_free(free, set(free) - span_ok):
+    for n in _most_free(free, set(free) - span_ok, reserved):
         take = min(left, room[n])
         if take:
             parts.append((n, tuple(free[n][:take])))
@@ -495,16 +580,23 @@ def _make_room(
     held: dict[int, list[Part]],
     may_move: frozenset[int],
     home: Mapping[int, int] | None,
+    reserved: Mapping[int, int] | None = None,
+    not_started_only: bool = False,
 ) -> Placement | None:
     """`job_id` whole on one node at `target` GPUs, made room for by moving jobs, or None.
 
+    With `reserved`, the GPUs reserved on each node (`_reservations`) are no room for the job or
+    for the jobs moved; with `not_started_only`, only jobs placed in this pass without slots
+    before it (and away from their home node) may move.
     `free` is as before the job took any slots. Jobs inside one node may move whole, at the
     counts they have now, to other nodes (those holding slots before this pass only if in
     `may_move`; a paused job moved off its `home` node is recorded as moved too); the job itself
-    may leave its node if it may move. The search takes
-    the fewest jobs moved (up to `MOVE_MOST_JOBS`), then the fewest GPUs moved, the job's own
-    node first; it is exact within those bounds (every set of jobs, every packing). On success
-    `free`, `out` (placements, `moved`) and `held` are updated; else nothing is.
+    may leave its node if it may move. The search takes the cheapest set of moves by
+    `_move_cost`: the fewest running jobs moved (the job itself leaving its node counts), then
+    their fewest GPUs, then paused jobs off their home, then jobs not yet started (up to
+    `MOVE_MOST_JOBS` jobs), the job's own node first; it is exact within those bounds (every set
+    of jobs, every packing). On success `free`, `out` (placements, `moved`) and `held` are
+    updated; else nothing is.
     """
     if mine is not None and len(mine) > 1:
         return None  # a job across nodes grows by spanning, not by moving others
@@ -529,39 +621,87 @@ def _make_room(
             and other in may_move
         ):
             inside[other] = parts[0]
-    rooms = {n: len(s) for n, s in free.items()}
+    rooms = {n: len(s) - (reserved or {}).get(n, 0) for n, s in free.items()}
     if own is not None:
         rooms[own] += len(own_slots)  # the job's own slots are room for it wherever it goes
     if sum(rooms.values()) < target:
         return None  # moving jobs frees no GPUs: not enough free in all
+    cost = {k: _move_cost(k, inside[k], held, home) for k in inside}
+    if not_started_only:
+        inside = {k: part for k, part in inside.items() if cost[k] >> 2 * _COST_BITS == 0}
     candidates = sorted(
-        inside, key=lambda k: (-rooms[inside[k][0]], inside[k][0], len(inside[k][1]), k)
+        inside,
+        key=lambda k: (
+            -rooms[inside[k][0]],
+            cost[k] >> 2 * _COST_BITS,
+            inside[k][0],
+            len(inside[k][1]),
+            k,
+        ),
     )[:MOVE_CANDIDATES]
     sizes = {k: len(inside[k][1]) for k in candidates}
-    tried = 0
-    for count in range(min(MOVE_MOST_JOBS, len(candidates)) + 1):
-        for subset in sorted(
-            combinations(candidates, count), key=lambda c: (sum(sizes[k] for k in c), c)
-        ):
-            tried += 1
-            if tried > MOVE_SETS:
-                return None
-            left = dict(rooms)
-            for k in subset:
-                left[inside[k][0]] += sizes[k]
-            for node in sorted(left, key=lambda n: (n != own, left[n], n)):
-                if left[node] < target or capacity[node] < target:
-                    continue
-                if own is not None and node != own and job_id not in may_move:
-                    continue  # it holds slots it may not leave: room only on its own node
-                left[node] -= target
-                fit = _pack({k: sizes[k] for k in subset}, left, {k: inside[k][0] for k in subset})
-                left[node] += target
-                if fit is not None:
-                    return _apply_moves(
-                        job_id, target, own, own_slots, node, fit, inside, free, out, held, home
-                    )
-    return None
+    # The job itself leaving its node is a running job's move too.
+    leaving = _move_cost(job_id, (own, own_slots), {job_id: []}, None) if own is not None else 0
+    # Every set of candidates with its cost (the sum of its jobs' packed costs), cheapest first.
+    costs = [cost[k] for k in candidates]
+    subsets = sorted(
+        pair
+        for count in range(min(MOVE_MOST_JOBS, len(candidates)) + 1)
+        for pair in zip(
+            map(sum, combinations(costs, count)), combinations(candidates, count), strict=True
+        )
+    )[:MOVE_SETS]
+    best: tuple[int, int, dict[int, int]] | None = None
+    for key, subset in subsets:
+        if best is not None and key >= best[0]:
+            break  # no cheaper set is left (the job's own move only adds to a set's cost)
+        left = dict(rooms)
+        for k in subset:
+            left[inside[k][0]] += sizes[k]
+        for node in sorted(left, key=lambda n: (n != own, left[n], n)):
+            if left[node] < target or capacity[node] < target:
+                continue
+            if own is not None and node != own and job_id not in may_move:
+                continue  # it holds slots it may not leave: room only on its own node
+            left[node] -= target
+            fit = _pack({k: sizes[k] for k in subset}, left, {k: inside[k][0] for k in subset})
+            left[node] += target
+            if fit is not None:
+                if node != own:
+                    key += leaving
+                if best is None or key < best[0]:
+                    best = (key, node, fit)
+                # Nodes are tried own node first, then every other at the same cost.
+                break
+    if best is None:
+        return None
+    _, node, fit = best
+    return _apply_moves(job_id, target, own, own_slots, node, fit, inside, free, out, held, home)
+
+
+# Bits per field of a packed move cost: sums of up to MOVE_MOST_JOBS + 1 jobs' GPUs never carry.
+_COST_BITS = 24
+
+
+def _move_cost(
+    job_id: int, where: Part, held: Mapping[int, object], home: Mapping[int, int] | None
+) -> int:
+    """What moving a job from `where` costs, packed into one integer so that costs add up and
+    compare as the tuple (running jobs, their GPUs, paused jobs off their home node, their GPUs,
+    jobs, GPUs) would. A running job's move is a pause, a checkpoint and a restart; a paused
+    one resumes off the node holding its state (from a checkpoint); a job not yet started goes
+    anywhere at no cost."""
+    gpus = len(where[1])
+    if job_id in held:
+        fields = (1, gpus, 0, 0, 1, gpus)
+    elif (home or {}).get(job_id) == where[0]:
+        fields = (0, 0, 1, gpus, 1, gpus)
+    else:
+        fields = (0, 0, 0, 0, 1, gpus)
+    packed = 0
+    for value in fields:
+        packed = (packed << _COST_BITS) + value
+    return packed
 
 
 def _apply_moves(

@@ -13,6 +13,7 @@ from scheduler_service.allocation.greedy import (
     finish_worth,
     greedy_plan,
 )
+from scheduler_service.allocation.highs import LpResult
 from scheduler_service.allocation.problem import (
     AllocationPlan,
     AllocationProblem,
@@ -61,6 +62,15 @@ def finish_slots(
         if value is not None:
             out[i] = value / problem.slot_s
     return np.asarray(out, dtype=float)
+
+
+def lp_finish_slots(problem: AllocationProblem, arrays: PlanArrays, lp: LpResult) -> np.ndarray:
+    """Finish per job in slots: the end of the slot in which the LP relaxation completes it
+    (unfinished: horizon end plus the tail of the work it left, at full speed)."""
+    done = lp.cumulative >= 1.0 - 1e-6
+    left = np.maximum(1.0 - lp.cumulative[:, -1], 0.0)
+    unfinished = problem.num_slots + arrays.tail_slots * left
+    return np.where(done.any(axis=1), done.argmax(axis=1) + 1.0, unfinished)
 
 
 def previous_finish(

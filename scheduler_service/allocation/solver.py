@@ -19,6 +19,7 @@ from scheduler_service.allocation import baselines
 from scheduler_service.allocation.heuristic import (
     deadline_reservation,
     greedy_run,
+    lp_finish_slots,
     needs_chase,
     previous_finish,
     previous_worth,
@@ -176,6 +177,24 @@ def solve_with_baselines(
                 trim_after_finish(problem, round_lp(problem, arrays, lp, prefer, mode)),
                 f"lp_{mode}",
             )
+        if steps.lp_greedy_rounds:
+            # The greedy rounds again, valuing work against the LP's finish times instead of
+            # the horizon's end: OR-Tools' relaxation seeds an integral plan the local search
+            # then refines (docs/allocation.md, "LP-seeded greedy").
+            ran.append("lp_greedy")
+            seeded = greedy_run(
+                problem,
+                arrays,
+                prefer,
+                lp_finish_slots(problem, arrays, lp) + 0.5,
+                steps.lp_greedy_rounds,
+                reservation=(protect, reserved),
+                chase=False,
+                worth_share=tuning.finish_worth_share,
+            )
+            for n, (seeded_gpus, seeded_ev) in enumerate(seeded.plans, start=1):
+                name = "lp_greedy" if n == 1 else f"lp_greedy_{n}"
+                candidates.append(_Candidate(seeded_gpus, "heuristic", seeded_ev, name))
         if steps.near_mip_slots is not None:
             ran.append("near_mip")
             near = near_deadline_mip(problem, arrays, lp, prefer, steps.near_mip_slots, seed)
@@ -209,20 +228,31 @@ def solve_with_baselines(
         polish_budget_s += unused_trials * steps.estimates_s["repair"] / steps.repair_trials
         if polish_pass_s(len(problem.jobs), problem.num_slots) <= polish_budget_s:
             polish_passes = tuning.polish_max_passes
+    starts = [(best, polish_budget_s)]
+    seeded_best = min(
+        (c for c in feasible if c.step.startswith("lp_greedy")),
+        key=lambda c: c.evaluation.objective,
+        default=None,
+    )
+    if seeded_best is not None and seeded_best is not best and steps.lp_polish_budget_s > 0:
+        starts.append((seeded_best, steps.lp_polish_budget_s))
     polished_by = 0.0
     polished: dict[str, tuple[int, ...]] | None = None
     if best is not None and polish_passes > 0:
         ran.append("polish")
-        start = option_matrix(problem, best.gpus, arrays)[0]
-        polished = gpus_from_options(
-            problem,
-            arrays,
-            polish(problem, arrays, start, polish_passes, budget_s=polish_budget_s),
-        )
-        ev = evaluate_gpus(problem, polished)
-        if _ok(ev) and ev.objective < best.evaluation.objective:
-            polished_by = best.evaluation.objective - ev.objective
-            best = _Candidate(polished, best.status, ev, f"{best.step}+polish")
+        unpolished = best
+        for start_from, budget_s in starts:
+            if start_from is None:
+                continue
+            start = option_matrix(problem, start_from.gpus, arrays)[0]
+            refined = gpus_from_options(
+                problem, arrays, polish(problem, arrays, start, polish_passes, budget_s=budget_s)
+            )
+            ev = evaluate_gpus(problem, refined)
+            if _ok(ev) and ev.objective < best.evaluation.objective:
+                polished = refined
+                polished_by = unpolished.evaluation.objective - ev.objective
+                best = _Candidate(refined, start_from.status, ev, f"{start_from.step}+polish")
     bound = None if lp is None else lp.bound
     status = "heuristic"
     if lp is not None and steps.exact_mip:

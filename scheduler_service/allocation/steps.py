@@ -46,6 +46,10 @@ class SolverTuning:
     greedy_seconds_per_slot: float = 6e-4
     # Greedy rounds at most (more did not help on the bench).
     greedy_max_passes: int = 4
+    # Greedy rounds that start from the LP's finish times (where the LP ran), at most, and the
+    # share of the limit they may take (docs/allocation.md, "LP-seeded greedy").
+    lp_greedy_max_rounds: int = 2
+    lp_greedy_share: float = 0.3
     # Share of the finishing slot's GPU price a later round adds to a finishing job's worth.
     finish_worth_share: float = 0.5
     # Estimated seconds of all five baseline plans per cell.
@@ -83,9 +87,10 @@ class SolveSteps:
     estimates of the steps that run add up to at most the limit. The first greedy round runs in
     any case (without it there may be no plan); a forced LP (`use_lp=True`) is charged even when
     it does not fit. Order: first greedy round, LP with its roundings, near-deadline MIP, exact
-    MIP, baselines, further greedy rounds, the chase round, deadline-repair moves (as many as
-    what is left pays for), local-search passes over the best plan (`solve` adds the repair
-    moves it did not use to their budget). Candidate evaluations and the plan's report are not
+    MIP, baselines, further greedy rounds, the chase round, greedy rounds from the LP's finish
+    times, deadline-repair moves (as many as what is left pays for), local-search passes over
+    the best plan and over the best LP-seeded plan (`solve` adds the repair moves it did not use
+    to their budgets). Candidate evaluations and the plan's report are not
     estimated.
     """
 
@@ -98,6 +103,9 @@ class SolveSteps:
     repair_trials: int
     polish_passes: int = 0  # at most; each runs only while its plan-sized estimate fits
     polish_budget_s: float = 0.0
+    lp_greedy_rounds: int = 0  # greedy rounds from the LP's finish times (0: none)
+    # The local search over the best LP-seeded plan, where one exists (same passes as above).
+    lp_polish_budget_s: float = 0.0
     estimates_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -182,6 +190,13 @@ def plan_steps(
     ):
         rounds += 1
     chase = chase and take("chase", round_s, 1.0)
+    lp_rounds = 0
+    while (
+        run_lp
+        and lp_rounds < tuning.lp_greedy_max_rounds
+        and take(f"lp_greedy_{lp_rounds + 1}", round_s, tuning.lp_greedy_share, lp_rounds * round_s)
+    ):
+        lp_rounds += 1
     trials = 0
     if run_lp and len(problem.jobs) <= tuning.repair_max_jobs:
         trial_s = tuning.repair_seconds_per_trial + cells * tuning.repair_seconds_per_cell
@@ -193,12 +208,18 @@ def plan_steps(
     # the repair runs it usually leaves too little for a pass (at <= 1 s).
     # The budget is reserved when the smallest pass (one candidate per job) fits; how many
     # passes it pays for depends on the plan polish starts from.
+    # With LP-seeded plans the local search runs twice (over the best plan and over the best
+    # LP-seeded one), each on half of what is left.
+    starts = 2 if lp_rounds else 1
     left_s = max(0.0, time_limit_s - sum(spent.values()))
-    polish_budget_s = min(tuning.polish_share * time_limit_s, left_s)
+    polish_budget_s = min(tuning.polish_share * time_limit_s, left_s / starts)
     passes = 0
+    lp_polish_budget_s = 0.0
     if polish_pass_s(len(problem.jobs), num_slots) <= polish_budget_s:
         spent["polish"] = polish_budget_s
         passes = tuning.polish_max_passes
+        if lp_rounds:
+            lp_polish_budget_s = spent["lp_polish"] = polish_budget_s
     else:
         polish_budget_s = 0.0
     return SolveSteps(
@@ -211,6 +232,8 @@ def plan_steps(
         repair_trials=trials,
         polish_passes=passes,
         polish_budget_s=polish_budget_s,
+        lp_greedy_rounds=lp_rounds,
+        lp_polish_budget_s=lp_polish_budget_s,
         estimates_s=spent,
     )
 

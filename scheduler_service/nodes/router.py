@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, BackgroundTasks, Path, Request
 
 from scheduler_service.db.base import utcnow
 from scheduler_service.deps import Agent, ConfigDep, FreshAgent, Operator, SessionDep
@@ -46,12 +46,25 @@ def register(
 
 @router.post("/{name}/heartbeat", responses=error_responses(400, 404))
 def heartbeat(
-    name: NodeNamePath, body: Heartbeat, session: SessionDep, agent: Agent, request: Request
+    name: NodeNamePath,
+    body: Heartbeat,
+    session: SessionDep,
+    agent: Agent,
+    request: Request,
+    after: BackgroundTasks,
 ) -> HeartbeatAck:
     """Record a heartbeat of the caller's own node; 404 tells the agent to register again."""
     grace_s = 3 * request.app.state.agent_timing.heartbeat_interval_s
     key_id = request.app.state.node_secrets.key_id
-    return service.heartbeat(session, agent, name, body, key_id=key_id, grace_s=grace_s)
+
+    def replan() -> None:
+        # After the response, so after the commit: a tick woken sooner could read the jobs
+        # as they were and leave the change to the next slot.
+        after.add_task(request.app.state.wake_control_loop)
+
+    return service.heartbeat(
+        session, agent, name, body, key_id=key_id, grace_s=grace_s, replan=replan
+    )
 
 
 @router.get("")

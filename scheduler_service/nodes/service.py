@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -128,12 +129,12 @@ def _requeue_job(session: Session, job_id: int, reason: str) -> None:
         _requeue(jobs, job, reason)
 
 
-def _went_on_alone(session: Session, job: Job, node: Node, running: RunningJob) -> None:
+def _went_on_alone(session: Session, job: Job, node: Node, running: RunningJob) -> bool:
     """The job's runner node lost its workers on other nodes and went on on its own slots from
     the survivors' replicas: its slots elsewhere are freed and it holds what this node runs (the
-    next tick plans from there), recorded once."""
+    next tick plans from there), recorded once; whether this report changed anything."""
     if not NodeRepository(session).release_job_elsewhere(job.id, node.id):
-        return  # told already (or the job never held slots elsewhere)
+        return False  # told already (or the job never held slots elsewhere)
     job.current_gpus = running.gpus
     job.current_layout = running.layout
     lost = ", ".join(running.lost_nodes)
@@ -153,6 +154,7 @@ def _went_on_alone(session: Session, job: Job, node: Node, running: RunningJob) 
             },
         )
     )
+    return True
 
 
 def _placed_here(latest: Allocation | None, job_id: int, node_id: int, held: set[int]) -> bool:
@@ -184,8 +186,13 @@ def heartbeat(
     *,
     key_id: str,
     grace_s: float = 15.0,
+    replan: Callable[[], None] | None = None,
 ) -> HeartbeatAck:
-    """Record a heartbeat; tell the agent which of its jobs the scheduler no longer wants."""
+    """Record a heartbeat; tell the agent which of its jobs the scheduler no longer wants.
+
+    `replan` is called once when the beat changed where jobs run in the database (a job went on
+    alone after losing a node, failed, or went back to the queue), so the loop plans again at
+    once instead of a slot later."""
     check_speaks_for(principal, name)
     repo = NodeRepository(session)
     node = repo.by_name(name)
@@ -207,6 +214,7 @@ def heartbeat(
     jobs_by_id = jobs.get_many(wanted)
     latest = AllocationRepository(session).newest_by_job(wanted) if wanted else {}
     stop: list[int] = []
+    changed = False
     for running in beat.jobs:
         job = jobs_by_id.get(running.job_id)
         if job is None or JobState(job.state) in TERMINAL_STATES:
@@ -216,12 +224,13 @@ def heartbeat(
         if running.job_error and _placed_here(command, running.job_id, node.id, held):
             # The job's own code is broken: it would fail on every node, so it ends here.
             _fail_job(session, job, f"the job's code failed on node {node.name}: {running.error}")
+            changed = True
             held.discard(running.job_id)
             stop.append(running.job_id)
             continue
         if running.job_id in held:
             if running.lost_nodes:
-                _went_on_alone(session, job, node, running)
+                changed |= _went_on_alone(session, job, node, running)
             continue
         # Not placed here: stop it only once the scheduler's command that moved it elsewhere
         # is acknowledged there (a command in flight may still be on its way to this agent).
@@ -246,6 +255,7 @@ def heartbeat(
             and command.node_id == node.id
         ):
             repo.release_job(job_id)
+            changed = True
             job = jobs_by_id.get(job_id)
             if job is not None and JobState(job.state) not in TERMINAL_STATES:
                 _requeue(
@@ -256,6 +266,8 @@ def heartbeat(
                     else f"not running on node {node.name} any more (agent restarted or job "
                     "failed there)",
                 )
+    if changed and replan is not None:
+        replan()
     return HeartbeatAck(stop_job_ids=sorted(set(stop)))
 
 

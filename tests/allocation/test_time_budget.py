@@ -36,6 +36,13 @@ def test_step_estimates_never_add_up_to_more_than_the_limit(
     # The local search's budget is reserved whole, and only when a pass can fit in it.
     assert (steps.polish_passes > 0) == ("polish" in steps.estimates_s)
     assert steps.estimates_s.get("polish", 0.0) == steps.polish_budget_s
+    # Greedy rounds from the LP's finish times only where the LP runs; the second local search
+    # (over the best LP-seeded plan) only with them, on a budget as large as the first's.
+    assert steps.lp_greedy_rounds == sum(1 for k in steps.estimates_s if k.startswith("lp_greedy_"))
+    assert steps.lp or steps.lp_greedy_rounds == 0
+    assert steps.estimates_s.get("lp_polish", 0.0) == steps.lp_polish_budget_s
+    assert steps.lp_polish_budget_s in (0.0, steps.polish_budget_s)
+    assert steps.lp_greedy_rounds > 0 or steps.lp_polish_budget_s == 0.0
 
 
 def _check_runs_the_planned_steps(problem: AllocationProblem, time_limit_s: float) -> None:
@@ -53,6 +60,7 @@ def _check_runs_the_planned_steps(problem: AllocationProblem, time_limit_s: floa
         ("near_mip", steps.near_mip_slots is not None),
         ("exact_mip", steps.exact_mip),
         ("baselines", steps.baselines),
+        ("lp_greedy", steps.lp_greedy_rounds > 0),
     ):
         assert (name in ran) == planned, name
     # The repair runs only when the best plan misses a deadline the LP meets; the local search

@@ -59,10 +59,14 @@ def test_the_runner_node_going_on_alone_frees_the_lost_nodes_slots_once(
         step=120, samples_done=120 * 256, worker_pids=[11, 12], lost_nodes=["b"],
     )  # fmt: skip
     principal = Principal(name="a", role=Role.AGENT, token_id="t")
+    replans: list[str] = []
 
     def beat() -> None:
         with transaction(factory) as session:
-            ack = heartbeat(session, principal, "a", Heartbeat(jobs=[alone]), key_id="k")
+            ack = heartbeat(
+                session, principal, "a", Heartbeat(jobs=[alone]), key_id="k",
+                replan=lambda: replans.append("a"),
+            )  # fmt: skip
             assert ack.stop_job_ids == []
 
     def losses() -> list[JobEvent]:
@@ -76,6 +80,8 @@ def test_the_runner_node_going_on_alone_frees_the_lost_nodes_slots_once(
     try:
         beat()
         beat()  # told again until the next command: recorded once
+        # The first report changed where the job runs: the loop is asked to plan again (once).
+        assert replans == ["a"]
         with transaction(factory) as session:
             held = session.scalars(select(GpuSlot).where(GpuSlot.job_id == job_id))
             assert sorted((s.node_id, s.index) for s in held) == [(nodes["a"], 0), (nodes["a"], 1)]

@@ -393,7 +393,11 @@ def test_hard_budget_holds_under_model_and_forecast_error(tmp_path: Path) -> Non
         jobs, series, profiles, SimulationConfig(policy="greenflow", num_nodes=1, gpus_per_node=4)
     )
     cuts = 0
-    for seed in range(3):
+    # Seeds until one plan overspent in reality (the watchdog had to act), at least three: how
+    # many it takes depends on the plans (seeds 4 and 5 once the LP-seeded greedy came in).
+    for seed in range(8):
+        if seed >= 3 and cuts > 0:
+            break
         config = SimulationConfig(
             policy="greenflow",
             num_nodes=1,

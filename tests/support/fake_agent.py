@@ -29,12 +29,15 @@ class Call:
 @dataclass
 class FakeAgent:
     """Answers every allocation with an acknowledgement at the step `steps` says (default 0),
-    a pause only after `pause_delay_s` (an agent checkpoints the job before it answers)."""
+    a pause only after `pause_delay_s` (an agent checkpoints the job before it answers); a new
+    count of a job in `running` as a hot switch, of any other as a start from a checkpoint."""
 
     name: str
     pause_delay_s: float = 0.0
     steps: dict[int, int] = field(default_factory=dict)
+    running: set[int] = field(default_factory=set)
     calls: list[Call] = field(default_factory=list)
+    commands: list[AllocationCommand] = field(default_factory=list)
     url: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -54,6 +57,7 @@ class FakeAgent:
         if gpus == 0:
             time.sleep(self.pause_delay_s)
         step = self.steps.get(command.job_id, 0)
+        switch = gpus > 0 and command.job_id in self.running
         ack = AllocationAck(
             job_id=command.job_id,
             generation=command.generation,
@@ -61,8 +65,10 @@ class FakeAgent:
             layout=f"dp{gpus}-tp1-pp1" if gpus else None,
             step=step,
             worker_pids=list(range(1000, 1000 + gpus)),
-            resumed_from=f"checkpoint@step{step}" if gpus else None,
+            hot_switch=switch,
+            resumed_from=f"checkpoint@step{step}" if gpus and not switch else None,
         )
+        self.commands.append(command)
         self._note(Call(self.name, command.job_id, command.generation, gpus, received_s,
                         time.monotonic()))  # fmt: skip
         return 200, ack.model_dump_json().encode()

@@ -1,0 +1,122 @@
+"""A job across nodes that lost one of them is planned again at once: the runner's node reports
+that it went on alone from the replicas, the heartbeat asks the loop for a tick, and that one
+tick grows the job back to its count onto a surviving node with free GPUs, not onto the node it
+lost (issue 20)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select
+
+from scheduler_service.auth.service import Principal
+from scheduler_service.auth.tokens import Role
+from scheduler_service.control_loop import ControlLoop, TickReport
+from scheduler_service.db.models import Allocation, GpuSlot, Job, JobEvent, Node
+from scheduler_service.db.session import make_engine, make_session_factory, transaction
+from scheduler_service.jobs.states import JobState
+from scheduler_service.nodes.repository import NodeRepository
+from scheduler_service.nodes.secrets import NodeSecrets
+from scheduler_service.nodes.service import heartbeat
+from tests.api.conftest import database_url, postgres_server  # noqa: F401
+from tests.service.test_budget_watchdog import _config
+from tests.support.fake_agent import FakeAgent, serving
+from worker_agent.protocol import Heartbeat, RunningJob
+
+
+def test_a_job_that_lost_a_node_grows_back_onto_a_free_surviving_node_in_one_tick(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # Nodes a, b, c (2 GPUs each, all with a rendezvous address). The job runs on a (its
+    # runner) and b, 4 GPUs; b died 20 s ago (silent for more than three 5 s heartbeats, not
+    # yet past the 30 s timeout). a reports that the job went on alone on its 2 GPUs.
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    secrets = NodeSecrets.generate()
+    now = datetime.now(UTC)
+    agent_a = FakeAgent("a", steps={}, running=set())
+    with serving(agent_a):
+        with transaction(factory) as session:
+            nodes: dict[str, int] = {}
+            for i, name in enumerate(("a", "b", "c")):
+                node = Node(
+                    name=name, agent_url=agent_a.url if name == "a" else "http://127.0.0.1:9",
+                    last_heartbeat_at=now - timedelta(seconds=20 if name == "b" else 0),
+                    secret_key_id=secrets.key_id, agent_secret_nonce="nonce",
+                    rendezvous_host=f"198.18.0.{2 + i}", worker_host_port=7000 + i,
+                )  # fmt: skip
+                session.add(node)
+                session.flush()
+                session.add_all(GpuSlot(node_id=node.id, index=k) for k in range(2))
+                nodes[name] = node.id
+            job = Job(
+                owner="alice", name="wide", workload="resnet50", global_batch_size=256,
+                total_samples=10**9, samples_done=120 * 256, step=120, min_gpus=2, max_gpus=4,
+                state=JobState.RUNNING.value, state_reason="running", created_at=now,
+                updated_at=now, current_gpus=4, current_layout="dp4-tp1-pp1",
+            )  # fmt: skip
+            session.add(job)
+            session.flush()
+            job_id = job.id
+            session.add(
+                Allocation(
+                    job_id=job_id, generation=1, node_id=nodes["a"], gpus=4, slot_indices=[0, 1],
+                    parts=[[nodes["b"], [0, 1]]], status="acked",
+                )
+            )  # fmt: skip
+            NodeRepository(session).assign_parts(
+                [(nodes["a"], [0, 1]), (nodes["b"], [0, 1])], job_id
+            )
+        agent_a.steps[job_id] = 121
+        agent_a.running.add(job_id)
+        alone = RunningJob(
+            job_id=job_id, generation=1, gpus=2, slot_indices=[0, 1], layout="dp2-tp1-pp1",
+            step=121, samples_done=121 * 256, worker_pids=[11, 12], lost_nodes=["b"],
+        )  # fmt: skip
+        replans: list[str] = []
+        with transaction(factory) as session:
+            principal = Principal(name="a", role=Role.AGENT, token_id="t")
+            heartbeat(
+                session, principal, "a", Heartbeat(jobs=[alone]), key_id=secrets.key_id,
+                replan=lambda: replans.append("a"),
+            )  # fmt: skip
+        assert replans == ["a"]
+
+        async def one_tick() -> TickReport:
+            loop = ControlLoop(_config(limit_kg=1000.0), factory, engine, policy="static",
+                               node_secrets=secrets)  # fmt: skip
+            try:
+                return await loop.tick()
+            finally:
+                await loop.agents.aclose()
+
+        try:
+            report = asyncio.run(one_tick())
+            assert (report.commands, report.acked) == (1, 1)
+            (command,) = agent_a.commands
+            # Grown back to 4: a's two GPUs and c's two, not the lost b's.
+            assert (command.generation, command.slot_indices) == (2, [0, 1])
+            assert [(p.node, p.slot_indices) for p in command.remote] == [("c", [0, 1])]
+            with transaction(factory) as session:
+                held = sorted(
+                    (s.node_id, s.index)
+                    for s in session.scalars(select(GpuSlot).where(GpuSlot.job_id == job_id))
+                )
+                assert held == [(nodes["a"], 0), (nodes["a"], 1), (nodes["c"], 0), (nodes["c"], 1)]
+                row = session.get(Job, job_id)
+                assert row is not None
+                assert (row.state, row.current_gpus) == (JobState.RUNNING.value, 4)
+                kinds = [
+                    (e.kind, e.reason)
+                    for e in session.scalars(
+                        select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
+                    )
+                ]
+                lost = [reason for kind, reason in kinds if kind == "node_lost"]
+                assert len(lost) == 1 and "node(s) b lost" in lost[0], kinds
+                # Growing back is a hot switch of the job's runner, at the step it reached.
+                after = [kind for kind, _ in kinds[[k for k, _ in kinds].index("node_lost") :]]
+                assert "hot_switch" in after, kinds
+        finally:
+            engine.dispose()
