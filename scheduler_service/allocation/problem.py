@@ -587,12 +587,13 @@ def evaluate_gpus(problem: AllocationProblem, gpus: dict[str, tuple[int, ...]]) 
     # leaves more work after it than the cluster's GPU-seconds up to the deadlines misses them
     # (issue 23: two long jobs each counting on the whole cluster after the horizon let every
     # tick give away the capacity one of them needed, and its promise broke). The work is
-    # counted at its fewest GPU-seconds (`least_gpu_s`), so only a plan no schedule after the
-    # horizon can mend misses: a stricter count (one count per job, as admission's check) made
-    # plans give up on a promise it wrongly called lost, and then it was.
-    for i in overcommitted_after_horizon(after_seen, capacity, horizon_s):
+    # counted at its fewest GPU-seconds (`least_gpu_s`), then as whole counts that fit together
+    # at every instant (`unschedulable_after_horizon`), so only a plan no preemptive schedule
+    # after the horizon can mend misses: a stricter count (one count per job, as admission's
+    # check) made plans give up on a promise it wrongly called lost, and then it was.
+    for i in unschedulable_after_horizon(after_seen, capacity, horizon_s):
         met[problem.jobs[i].job_id] = False
-    for i in overcommitted_after_horizon(after_promised, capacity, horizon_s):
+    for i in unschedulable_after_horizon(after_promised, capacity, horizon_s):
         kept[i] = False
     for i, job in enumerate(problem.jobs):
         if job.deadline_s is not None and not met[job.job_id]:
@@ -714,6 +715,157 @@ def overcommitted_after_horizon(
         if due + before > capacity_gpus * window_s * (1 + 1e-9):
             crowded.append(w.row)
     return crowded
+
+
+# Most GPU-count combinations (configurations) the exact after-horizon check enumerates; past it
+# only the pooled GPU-second check runs (`unschedulable_after_horizon`).
+MAX_AFTER_HORIZON_CONFIGS = 2_000
+
+
+def unschedulable_after_horizon(
+    work: Sequence[AfterHorizonWork], capacity_gpus: int, horizon_s: float
+) -> list[int]:
+    """Rows of `work` that no schedule after the horizon finishes by their deadlines together:
+    those the pooled GPU-second check crowds (`overcommitted_after_horizon`), then, among the
+    rest, those the configuration check (`_configuration_blame`) finds no room for.
+
+    The pooled check lets a job's work run at its most GPU-efficient mix of counts at any time,
+    so a later job "ran" on 4 GPUs beside an earlier one on all 16 (issue 23, cluster04[:20]:
+    be631d51 needed 16 GPUs for 6,474 s, c9c620ea had to stop meanwhile, and their promises,
+    which every plan's pooled check called kept, could no longer both be kept from t = 76,075 s).
+    Here the jobs share the cluster in whole counts at every instant."""
+    crowded = overcommitted_after_horizon(work, capacity_gpus, horizon_s)
+    rest = [w for w in work if w.row not in set(crowded)]
+    if len(rest) < 2:
+        return crowded
+    blamed = _configuration_blame(tuple(rest), capacity_gpus, horizon_s)
+    return crowded + (blamed or [])
+
+
+def _configuration_blame(
+    work: tuple[AfterHorizonWork, ...], capacity_gpus: int, horizon_s: float
+) -> list[int] | None:
+    """Rows of `work` (earliest deadline first) that a time-sharing of whole-count
+    configurations after the horizon cannot finish along with the ones due before them; None
+    when the configurations are too many to enumerate (MAX_AFTER_HORIZON_CONFIGS)."""
+    ordered = sorted(work, key=lambda w: (w.deadline_s, w.row))
+    key = (
+        capacity_gpus,
+        horizon_s,
+        tuple(
+            (
+                w.row,
+                w.deadline_s,
+                w.left_samples,
+                w.job.allowed_gpus,
+                w.job.throughput_samples_per_s,
+            )
+            for w in ordered
+        ),
+    )
+    hit = _BLAME_CACHE.get(key)
+    if hit is not None or key in _BLAME_CACHE:
+        return None if hit is None else list(hit)
+    fit = _configurations_fit(ordered, capacity_gpus, horizon_s)
+    blamed: list[int] | None = None if fit is None else []
+    if fit is False:
+        blamed = []
+        kept: list[AfterHorizonWork] = []
+        for w in ordered:
+            fits = _configurations_fit([*kept, w], capacity_gpus, horizon_s)
+            if fits is None:
+                blamed = None
+                break
+            if fits:
+                kept.append(w)
+            else:
+                blamed.append(w.row)
+    if len(_BLAME_CACHE) > 4_096:
+        _BLAME_CACHE.clear()
+    _BLAME_CACHE[key] = None if blamed is None else tuple(blamed)
+    return blamed
+
+
+_BLAME_CACHE: dict[tuple[object, ...], tuple[int, ...] | None] = {}
+
+
+def _configurations_fit(
+    ordered: Sequence[AfterHorizonWork], capacity_gpus: int, horizon_s: float
+) -> bool | None:
+    """Whether time-sharing whole-count configurations (each job at one of its counts or off,
+    the counts together within `capacity_gpus`) between consecutive deadlines after the horizon
+    does every job's work by its deadline (an LP over the configurations' durations, exact for
+    preemptive schedules without stalls); None: too many configurations."""
+    from scipy.optimize import linprog  # imported where the check bites, not at every import
+
+    bounds = sorted({w.deadline_s for w in ordered})
+    starts = [horizon_s, *bounds[:-1]]
+    options = [
+        [
+            (g, r)
+            for g, r in zip(w.job.allowed_gpus, w.job.throughput_samples_per_s, strict=True)
+            if g <= capacity_gpus
+        ]
+        for w in ordered
+    ]
+    columns: list[tuple[int, dict[int, float]]] = []  # (segment, job index -> rate)
+    for s, (begin, end) in enumerate(zip(starts, bounds, strict=True)):
+        if end <= begin:
+            continue
+        active = [k for k, w in enumerate(ordered) if w.deadline_s >= end]
+        configs = _maximal_configurations([options[k] for k in active], capacity_gpus)
+        if configs is None or len(columns) + len(configs) > MAX_AFTER_HORIZON_CONFIGS:
+            return None
+        columns.extend((s, {active[n]: rate for n, rate in config}) for config in configs)
+    if not columns:
+        return all(w.left_samples <= 0 for w in ordered)
+    lengths = [end - begin for begin, end in zip(starts, bounds, strict=True)]
+    scale_s = max(lengths)
+    # Durations in units of the longest segment; each job's work as a fraction of what it has left.
+    a_ub = np.zeros((len(lengths) + len(ordered), len(columns)))
+    b_ub = np.zeros(len(lengths) + len(ordered))
+    for c, (s, rates) in enumerate(columns):
+        a_ub[s, c] = 1.0
+        for k, rate in rates.items():
+            a_ub[len(lengths) + k, c] = -rate * scale_s / max(ordered[k].left_samples, 1e-12)
+    b_ub[: len(lengths)] = [max(0.0, length) / scale_s for length in lengths]
+    b_ub[len(lengths) :] = [-(1 - 1e-9) if w.left_samples > 0 else 0.0 for w in ordered]
+    result = linprog(np.zeros(len(columns)), A_ub=a_ub, b_ub=b_ub, bounds=(0, None), method="highs")
+    return bool(result.status == 0)
+
+
+def _maximal_configurations(
+    options: Sequence[Sequence[tuple[int, float]]], capacity_gpus: int
+) -> list[list[tuple[int, float]]] | None:
+    """Per combination of one count per job (or off) within `capacity_gpus` that no job can
+    raise to a faster count of its own without exceeding it: (job index, rate) per job on;
+    None past MAX_AFTER_HORIZON_CONFIGS combinations (or 20 times as many partial ones)."""
+    if math.prod(len(o) + 1 for o in options) > 20 * MAX_AFTER_HORIZON_CONFIGS:
+        return None  # many jobs past the horizon: not worth a search that would give up
+    out: list[list[tuple[int, float]]] = []
+    budget = [20 * MAX_AFTER_HORIZON_CONFIGS]  # partial combinations the search may still try
+
+    def extend(k: int, free: int, chosen: list[tuple[int, int, float]]) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0 or len(out) > MAX_AFTER_HORIZON_CONFIGS:
+            return False
+        if k == len(options):
+            # Maximal: no job's next faster count fits in what is left.
+            for n, gpus, _ in chosen:
+                faster = [g for g, _r in options[n] if g > gpus]
+                if faster and min(faster) - gpus <= free:
+                    return True
+            out.append([(n, rate) for n, _g, rate in chosen if rate > 0])
+            return True
+        if not extend(k + 1, free, [*chosen, (k, 0, 0.0)]):
+            return False
+        return all(
+            extend(k + 1, free - gpus, [*chosen, (k, gpus, rate)])
+            for gpus, rate in options[k]
+            if gpus <= free
+        )
+
+    return out if extend(0, capacity_gpus, []) else None
 
 
 def crowded_after_horizon(

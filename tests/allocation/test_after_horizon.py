@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from scheduler_service.allocation.admission import after_horizon_overcommitted
+from scheduler_service.allocation.admission import admit, after_horizon_overcommitted
 from scheduler_service.allocation.problem import (
     AfterHorizonWork,
     AllocationProblem,
@@ -22,6 +22,8 @@ from scheduler_service.allocation.problem import (
     crowded_after_horizon,
     evaluate_gpus,
     least_gpu_s,
+    overcommitted_after_horizon,
+    unschedulable_after_horizon,
 )
 from scheduler_service.allocation.solver import solve
 
@@ -129,3 +131,72 @@ def test_work_after_the_horizon_counts_at_its_fewest_gpu_seconds() -> None:
     assert least_gpu_s(job, 30.0 * 36_001, 36_000.0, 4) == float("inf")
     # Below its slowest count's rate it runs part of the time on 1 GPU.
     assert least_gpu_s(job, 36_000.0, 36_000.0, 4) == pytest.approx(3_600.0)
+
+
+def _paced(job_id: str, samples: float, deadline_s: float) -> JobSpec:
+    # inception3's shape on A100 (748 / 857 / 876 samples/s on 4 / 8 / 16 GPUs), scaled down.
+    return JobSpec(
+        job_id=job_id,
+        allowed_gpus=(4, 8, 16),
+        throughput_samples_per_s=(7.0, 8.0, 8.2),
+        power_w=(1200.0, 2400.0, 4800.0),
+        remaining_samples=samples,
+        deadline_s=deadline_s,
+        current_gpus=8,
+        started=True,
+    )
+
+
+def _pair(y_after_samples: float) -> AllocationProblem:
+    # Four slots at 8 GPUs each do 28,800 samples. After the horizon x needs 16 GPUs for
+    # 5,000 s of its 32,400 s (260,200 samples: 8 x 32,400 + 0.2 x 5,000); y can then do at
+    # most 8 x 27,400 + 8.2 x 4,000 = 252,000 samples by its deadline, 4,000 s after x's.
+    done = 8.0 * 4 * SLOT_S
+    return AllocationProblem(
+        start_at=START,
+        slot_s=SLOT_S,
+        capacity_gpus=(16,) * 4,
+        intensity_g_per_kwh=(100.0,) * 4,
+        jobs=(
+            _paced("x", done + 260_200.0, DEADLINE_S),
+            _paced("y", done + y_after_samples, DEADLINE_S + 4_000.0),
+        ),
+    )
+
+
+def test_a_job_cannot_run_beside_one_that_holds_the_whole_cluster() -> None:
+    # The pooled check lets y do its work on 4 GPUs (its most GPU-efficient count) while x runs
+    # on all 16 (cluster04[:20]: be631d51 and c9c620ea, whose promises could no longer both be
+    # kept from t = 76,075 s while every plan's pooled check called them kept). At every instant
+    # the counts must fit together: y stops while x runs on 16.
+    at_pace: dict[str, tuple[int, ...]] = {"x": (8, 8, 8, 8), "y": (8, 8, 8, 8)}
+    short = _pair(253_000.0)
+    work = [
+        AfterHorizonWork(job.deadline_s or 0.0, job, job.remaining_samples - 8.0 * 3_600.0, i)
+        for i, job in enumerate(short.jobs)
+    ]
+    assert overcommitted_after_horizon(work, 16, 3_600.0) == []
+    assert evaluate_gpus(short, at_pace).deadline_met == {"x": True, "y": False}
+    assert unschedulable_after_horizon(work, 16, 3_600.0) == [1]
+    # 2,000 samples less for y: the schedule above does it, and both are met.
+    assert evaluate_gpus(_pair(250_000.0), at_pace).deadline_met == {"x": True, "y": True}
+
+
+def test_admission_refuses_a_job_the_pair_needs_every_gpu_for() -> None:
+    # y has 2,000 samples (250 s at 8 GPUs) of slack: a job on 4 GPUs for a slot fits beside
+    # them (y on 4 loses 900 samples), one on 8 GPUs for a slot does not (whoever stops loses
+    # 7,200), though the pooled check finds GPU-seconds for it.
+    problem = _pair(250_000.0)
+
+    def short(gpus: int) -> JobSpec:
+        return JobSpec(
+            job_id=f"z{gpus}",
+            allowed_gpus=(gpus,),
+            throughput_samples_per_s=(10.0,),
+            power_w=(300.0 * gpus,),
+            remaining_samples=10.0 * 850.0,
+            deadline_s=2 * SLOT_S,
+        )
+
+    assert not admit(problem, short(8), time_limit_s=2.0).admitted
+    assert admit(problem, short(4), time_limit_s=2.0).guaranteed
