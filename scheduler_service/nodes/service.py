@@ -110,13 +110,18 @@ def revoke_node(session: Session, name: str) -> int:
 
 
 def requeue_jobs_of_node(session: Session, node: Node, *, reason: str) -> list[int]:
-    """Free a node's slots and send its running jobs back to the queue with an event."""
-    job_ids = NodeRepository(session).release_node(node.id)
+    """Free a node's slots and send its running jobs back to the queue with an event; a job
+    across nodes frees its slots on the others too (it runs nowhere until the next plan)."""
+    repo = NodeRepository(session)
+    job_ids = repo.release_node(node.id)
     jobs = JobRepository(session)
     for job_id in job_ids:
         job = jobs.get(job_id)
         if job is None or JobState(job.state) in TERMINAL_STATES:
             continue
+        # Left holding its other nodes' slots, a re-queued job was placed there as it sat, so
+        # the plan sent it no command: it stayed queued on them for good.
+        repo.release_job(job_id)
         _requeue(jobs, job, reason)
     return job_ids
 
