@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import select
 
 from scheduler_service.auth.service import Principal
@@ -26,12 +27,15 @@ from tests.support.fake_agent import FakeAgent, serving
 from worker_agent.protocol import Heartbeat, RunningJob
 
 
+@pytest.mark.parametrize("silent_b_s", [20, 2])
 def test_a_job_that_lost_a_node_grows_back_onto_a_free_surviving_node_in_one_tick(
     database_url: str,  # noqa: F811 (fixture)
+    silent_b_s: int,
 ) -> None:
     # Nodes a, b, c (2 GPUs each, all with a rendezvous address). The job runs on a (its
-    # runner) and b, 4 GPUs; b died 20 s ago (silent for more than three 5 s heartbeats, not
-    # yet past the 30 s timeout). a reports that the job went on alone on its 2 GPUs.
+    # runner) and b, 4 GPUs; b was last heard from `silent_b_s` ago (20: silent for more than
+    # three 5 s heartbeats; 2: it still looks fresh), not yet past the 30 s timeout. a reports
+    # that the job went on alone on its 2 GPUs: b is not chosen again either way.
     engine = make_engine(database_url)
     factory = make_session_factory(engine)
     secrets = NodeSecrets.generate()
@@ -43,7 +47,7 @@ def test_a_job_that_lost_a_node_grows_back_onto_a_free_surviving_node_in_one_tic
             for i, name in enumerate(("a", "b", "c")):
                 node = Node(
                     name=name, agent_url=agent_a.url if name == "a" else "http://127.0.0.1:9",
-                    last_heartbeat_at=now - timedelta(seconds=20 if name == "b" else 0),
+                    last_heartbeat_at=now - timedelta(seconds=silent_b_s if name == "b" else 0),
                     secret_key_id=secrets.key_id, agent_secret_nonce="nonce",
                     rendezvous_host=f"198.18.0.{2 + i}", worker_host_port=7000 + i,
                 )  # fmt: skip
