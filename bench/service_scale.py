@@ -7,7 +7,10 @@ reports synthetic telemetry (no training). The jobs are submitted over the API (
 1-8 GPUs, far more work than the run lasts). Then one more submission wakes a tick with every
 job known, `--ticks` times; each such tick's figures come from the loop's metrics
 (`greenflow_control_loop_last_tick_duration_seconds` and `..._last_tick_phase_seconds{phase}`).
-While that tick runs a reader lists jobs (`GET /v1/jobs?limit=50`, 4 in flight): `api_p99_ms`.
+While that tick runs a reader lists jobs (`GET /v1/jobs?limit=50`, 4 in flight, or
+`--reader-concurrency`): `api_p99_ms`. `snapshot_cpu_s`, `models_cpu_s` and `write_cpu_s`
+are the tick thread's own CPU in those phases: the rest of their time it waited (the database,
+the GIL shared with the API's requests, other processes on the CPU).
 `command_rtt_s` is the median, over the case's acknowledged commands, of acknowledged minus
 written (the plan's write to the agent's answer being recorded).
 
@@ -17,7 +20,7 @@ deadline submissions at once (each must be promised: 6 h of slack); p50/p99 of t
 Usage:
     python -m bench.service_scale [--cases 100x4x8,1000x32x8] [--ticks 2]
         [--admission-concurrency 1,8] [--admission-rounds 3] [--postgres-url URL]
-        [--register-timeout-s 300]
+        [--register-timeout-s 300] [--reader-concurrency 4]
 """
 
 from __future__ import annotations
@@ -138,9 +141,12 @@ async def submit_many(base_url: str, token: str, count: int, concurrency: int = 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def read_while(base_url: str, token: str, done: asyncio.Event) -> tuple[list[float], int]:
-    """Latencies (s) of `GET /v1/jobs?limit=50`, 4 in flight, until `done` is set; and how many
-    requests lost their connection (asked again: one such drop under load ended a whole run)."""
+async def read_while(
+    base_url: str, token: str, done: asyncio.Event, in_flight: int = 4
+) -> tuple[list[float], int]:
+    """Latencies (s) of `GET /v1/jobs?limit=50`, `in_flight` at once, until `done` is set; and
+    how many requests lost their connection (asked again: one such drop under load ended a whole
+    run)."""
     headers = {"Authorization": f"Bearer {token}"}
     latencies: list[float] = []
     dropped = 0
@@ -158,16 +164,19 @@ async def read_while(base_url: str, token: str, done: asyncio.Event) -> tuple[li
                 response.raise_for_status()
                 latencies.append(time.perf_counter() - began)
 
-        await asyncio.gather(*(worker() for _ in range(4)))
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
     return latencies, dropped
 
 
-async def woken_tick(base_url: str, token: str, jobs: int, timeout_s: float) -> dict[str, Any]:
-    """Wake a tick with one more submission; its figures and the API latency while it ran."""
+async def woken_tick(
+    base_url: str, token: str, jobs: int, timeout_s: float, readers: int = 4
+) -> dict[str, Any]:
+    """Wake a tick with one more submission; its figures and the API latency while it ran
+    (`readers` requests in flight; 0: none, the tick shares the server with the agents only)."""
     before = metrics(base_url)
     ticks = before.get(f"{LOOP}_ticks_total", 0.0)
     done = asyncio.Event()
-    reader = asyncio.create_task(read_while(base_url, token, done))
+    reader = asyncio.create_task(read_while(base_url, token, done, readers))
     await submit_many(base_url, token, 1, 1)
     deadline_s = time.monotonic() + timeout_s
     while True:
@@ -194,10 +203,17 @@ async def woken_tick(base_url: str, token: str, jobs: int, timeout_s: float) -> 
         name: now.get(f'{LOOP}_last_tick_phase_seconds{{phase="{name}"}}')
         for name in ("snapshot", "models", "solve", "write", "dispatch")
     }
+    # The tick thread's own CPU in the phases it runs in Python: the rest of their wall time
+    # it waited (the database, the GIL shared with the API's requests, other processes).
+    cpu = {
+        name: now.get(f'{LOOP}_last_tick_phase_cpu_seconds{{phase="{name}"}}')
+        for name in ("snapshot", "models", "write")
+    }
     return {
         "tick_s": now[f"{LOOP}_last_tick_duration_seconds"],
         "jobs_planned": int(now[f"{LOOP}_last_tick_jobs_planned"]),
         **{f"{name}_s": value for name, value in phase.items()},
+        **{f"{name}_cpu_s": value for name, value in cpu.items()},
         "solve_cpu_s": now.get(f"{LOOP}_last_solve_cpu_seconds"),
         "api_p99_ms": percentile_ms(latencies, 99),
         "api_requests": len(latencies),
@@ -290,7 +306,11 @@ def run_case(args: argparse.Namespace, jobs: int, nodes: int, gpus: int) -> dict
                     asyncio.run(submit_many(base_url, user, jobs))
                     submit_s = time.perf_counter() - began
                     ticks = [
-                        asyncio.run(woken_tick(base_url, user, jobs, args.tick_timeout_s))
+                        asyncio.run(
+                            woken_tick(
+                                base_url, user, jobs, args.tick_timeout_s, args.reader_concurrency
+                            )
+                        )
                         for _ in range(args.ticks)
                     ]
                     admission = []
@@ -334,10 +354,13 @@ def run_case(args: argparse.Namespace, jobs: int, nodes: int, gpus: int) -> dict
                 key: None if last[key] is None else round(last[key], 3)
                 for key in (
                     "snapshot_s",
+                    "snapshot_cpu_s",
                     "models_s",
+                    "models_cpu_s",
                     "solve_s",
                     "solve_cpu_s",
                     "write_s",
+                    "write_cpu_s",
                     "dispatch_s",
                 )
             },
@@ -364,6 +387,8 @@ def main() -> None:
     parser.add_argument("--register-timeout-s", type=float, default=300)
     parser.add_argument("--admission-concurrency", default="1,8")
     parser.add_argument("--admission-rounds", type=int, default=3)
+    # Requests in flight listing jobs while a measured tick runs (its API p99); 0: none.
+    parser.add_argument("--reader-concurrency", type=int, default=4)
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here")
     args = parser.parse_args()
     args.admission_concurrency = [int(c) for c in args.admission_concurrency.split(",") if c]

@@ -89,6 +89,10 @@ class TickReport:
     # Seconds per phase: snapshot (transaction one), solve (no transaction), write (transaction
     # two), dispatch (read the commands, push them, record the acknowledgements).
     phases_s: dict[str, float] = field(default_factory=dict)
+    # CPU seconds of the tick's own thread in the snapshot, models and write phases: the rest of
+    # each phase's wall time it waited (the database, the GIL shared with the API's requests,
+    # a CPU busy with other processes).
+    phases_cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 def load_planning_libraries() -> None:
@@ -334,7 +338,8 @@ class ControlLoop:
         now = utcnow()
         forecast = await self.carbon.get_forecast(self.config.planner.horizon_s)
         phases_s: dict[str, float] = {}
-        planned, plan = await asyncio.to_thread(self._plan, forecast, now, phases_s)
+        phases_cpu_s: dict[str, float] = {}
+        planned, plan = await asyncio.to_thread(self._plan, forecast, now, phases_s, phases_cpu_s)
         # CPU seconds, not a phase of the tick's wall time: reported on their own.
         solve_cpu_s = phases_s.pop("solve_cpu", None)
         dispatch_began_s = time.monotonic()
@@ -382,6 +387,7 @@ class ControlLoop:
             finished_at=utcnow(),
             phases_s=phases_s,
             solve_cpu_s=solve_cpu_s,
+            phases_cpu_s=phases_cpu_s,
         )
         # One assignment: a scrape (another thread) sees this tick's report whole or not at all.
         self.last_report = report
@@ -410,20 +416,27 @@ class ControlLoop:
             )
 
     def _plan(
-        self, forecast: CarbonForecast, now: datetime, phases_s: dict[str, float] | None = None
+        self,
+        forecast: CarbonForecast,
+        now: datetime,
+        phases_s: dict[str, float] | None = None,
+        phases_cpu_s: dict[str, float] | None = None,
     ) -> tuple[int, AllocationPlan | None]:
         # Three steps (DESIGN.md, one tick): read the snapshot in one transaction, solve with no
         # transaction or lock held, write the plan and its commands in a second transaction. A
         # job changed in between fails the second one's flush (its version column), and the
         # loop plans again from a new snapshot.
         phases_s = {} if phases_s is None else phases_s
-        began_s = time.monotonic()
+        phases_cpu_s = {} if phases_cpu_s is None else phases_cpu_s
+        began_s, began_cpu_s = time.monotonic(), time.thread_time()
         rows, period = self._read_snapshot(forecast, now)
         phases_s["snapshot"] = time.monotonic() - began_s
-        began_s = time.monotonic()
+        phases_cpu_s["snapshot"] = time.thread_time() - began_cpu_s
+        began_s, began_cpu_s = time.monotonic(), time.thread_time()
         # Refits and the problem, after the transaction: CPU work holds no lock.
         planning = assemble_snapshot(rows, self.config, forecast, self.models)
         phases_s["models"] = time.monotonic() - began_s
+        phases_cpu_s["models"] = time.thread_time() - began_cpu_s
         began_s = time.monotonic()
         plan: AllocationPlan | None = None
         if planning.problem.jobs:
@@ -435,10 +448,11 @@ class ControlLoop:
             # hold for this empty plan too, instead of waking a tick at every check.
             expectation = SpendExpectation.of_nothing(now, self.config.planner.slot_s, period)
         phases_s["solve"] = time.monotonic() - began_s
-        began_s = time.monotonic()
+        began_s, began_cpu_s = time.monotonic(), time.thread_time()
         with transaction(self.session_factory) as session:
             self._write_plan(session, planning, plan, forecast.degraded, now)
         phases_s["write"] = time.monotonic() - began_s
+        phases_cpu_s["write"] = time.thread_time() - began_cpu_s
         # Only once the transaction committed: a tick whose commit fails (a job changed while it
         # planned) leaves the plan in force, and the watchdog's expectation of it, as they were.
         self._spend_expectation = expectation

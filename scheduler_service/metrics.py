@@ -115,6 +115,17 @@ class ControlLoopCollector(Collector):
             for name, seconds in report.phases_s.items():
                 phases.add_metric([name], seconds)
             yield phases
+        if report.phases_cpu_s:
+            cpu = GaugeMetricFamily(
+                f"{prefix}_last_tick_phase_cpu_seconds",
+                "CPU seconds of the tick's own thread per phase of the last completed tick "
+                "(snapshot, models, write): the rest of the phase's time it waited for the "
+                "database, the GIL it shares with the API, or a busy CPU",
+                labels=["phase"],
+            )
+            for name, seconds in report.phases_cpu_s.items():
+                cpu.add_metric([name], seconds)
+            yield cpu
         if report.plan_solve_s is not None:
             yield GaugeMetricFamily(
                 f"{prefix}_last_plan_solve_seconds",

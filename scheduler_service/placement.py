@@ -435,9 +435,11 @@ def _reservations(
             continue
         mine = held.get(job_id)
         if mine is not None:
-            node_id, count = mine[0][0], target - sum(len(s) for _, s in mine)
-        elif home is not None and home.get(job_id) in free:
-            node_id, count = home[job_id], target
+            # What it can grow by on its own node (the rest it spans, or goes without).
+            node_id = mine[0][0]
+            count = min(target - sum(len(s) for _, s in mine), len(free[node_id]))
+        elif home is not None and home.get(job_id) in free and target <= len(free[home[job_id]]):
+            node_id, count = home[job_id], target  # else it cannot go home anyway
         else:
             continue
         if count > 0:

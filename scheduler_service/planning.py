@@ -474,14 +474,31 @@ def span_fresh_s(config: GreenflowConfig) -> float:
 
 def spannable_nodes(nodes: Iterable[Node], now: datetime, fresh_s: float | None) -> frozenset[int]:
     """The ready nodes a job may span: their agents advertised an address the others reach, and
-    (`fresh_s`) were heard from this recently."""
+    (`fresh_s`) were heard from this recently, and for that long since a job's runner last
+    reported their workers lost (a node that just died is not chosen again while it is still
+    heard from recently enough)."""
     return frozenset(
         n.id
         for n in nodes
         if n.rendezvous_host
         and n.worker_host_port
         and (fresh_s is None or heard_within(n, now, fresh_s))
+        and not _reported_lost_since(n, fresh_s or 0.0)
     )
+
+
+def _reported_lost_since(node: Node, fresh_s: float) -> bool:
+    """Whether a runner reported the node's workers lost less than `fresh_s` before the node's
+    last heartbeat (or after it)."""
+    reported, last = node.lost_reported_at, node.last_heartbeat_at
+    if reported is None:
+        return False
+    if last is None:
+        return True
+    # SQLite hands back naive UTC.
+    reported = reported if reported.tzinfo else reported.replace(tzinfo=UTC)
+    last = last if last.tzinfo else last.replace(tzinfo=UTC)
+    return (last - reported).total_seconds() < fresh_s
 
 
 def heard_within(node: Node, now: datetime, seconds: float) -> bool:

@@ -23,7 +23,7 @@ from scheduler_service.budget.periods import (
 from scheduler_service.budget.repository import LedgerRepository
 from scheduler_service.carbon.repository import CarbonRepository
 from scheduler_service.db.base import utcnow
-from scheduler_service.db.models import LedgerEntry, NodePowerSampleRow
+from scheduler_service.db.models import NodePowerSampleRow
 from scheduler_service.settings import BudgetConfig, GreenflowConfig
 from scheduler_service.telemetry.repository import NodePowerRepository, TelemetryRepository
 
@@ -89,6 +89,7 @@ def _entries_for(
     """Stage the ledger entries of `energy_j` spread evenly over [start_at, end_at), one per
     budget period it touches; return their kg."""
     interval_s = (end_at - start_at).total_seconds()
+    created_at = utcnow()
     # Spread the measured energy evenly over the interval as an average power.
     power_w = energy_j / interval_s
     total_kg = 0.0
@@ -103,21 +104,22 @@ def _entries_for(
         if index > 0:
             # Only the first part carries the sample id (each sample is charged once).
             fields["telemetry_sample_id"] = None
-        ledger.add(
-            LedgerEntry(
+        ledger.stage(
+            {
                 **fields,
-                period_start=period.start_at,
-                period_end=period.end_at,
-                interval_start=lo,
-                interval_end=hi,
-                energy_kwh=energy_kwh,
-                pue=pue,
-                intensity_g_per_kwh=(emissions_kg * GRAMS_PER_KG / (energy_kwh * pue))
+                "period_start": period.start_at,
+                "period_end": period.end_at,
+                "interval_start": lo,
+                "interval_end": hi,
+                "energy_kwh": energy_kwh,
+                "pue": pue,
+                "intensity_g_per_kwh": (emissions_kg * GRAMS_PER_KG / (energy_kwh * pue))
                 if energy_kwh > 0
                 else 0.0,
-                emissions_kg=emissions_kg,
-                intensity_source=series.sources_over(lo, hi),
-            )
+                "emissions_kg": emissions_kg,
+                "intensity_source": series.sources_over(lo, hi),
+                "created_at": created_at,
+            }
         )
     return total_kg
 
@@ -204,6 +206,7 @@ def charge_new_telemetry(session: Session, config: GreenflowConfig) -> ChargedTe
         key = node_sample.node_id
         if key not in newest_node or node_sample.at > newest_node[key][0]:
             newest_node[key] = (node_sample.at, node_kg / node_sample.interval_s)
+    ledger.insert_staged()
     session.flush()
     return ChargedTelemetry(
         samples=len(samples) + len(node_samples),

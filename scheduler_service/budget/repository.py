@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, cast
 
-from sqlalchemy import func, select
+from sqlalchemy import Table, func, insert, select
 from sqlalchemy.orm import Session
 
 from scheduler_service.db.models import Job, LedgerEntry
+
+# Every column an entry may leave out: an executemany needs the same keys in every row.
+_ENTRY_DEFAULTS: dict[str, Any] = {
+    "job_id": None,
+    "telemetry_sample_id": None,
+    "component": "gpu",
+    "power_source": "unknown",
+    "node_id": None,
+    "node_power_sample_id": None,
+    "intensity_source": "",
+}
 
 
 @dataclass(frozen=True)
@@ -31,10 +44,19 @@ class LedgerRepository:
 
     def __init__(self, session: Session) -> None:
         self.session = session
+        self._staged: list[dict[str, Any]] = []
 
-    def add(self, entry: LedgerEntry) -> None:
-        """Stage a ledger entry."""
-        self.session.add(entry)
+    def stage(self, values: Mapping[str, Any]) -> None:
+        """Stage a ledger entry's column values (written by `insert_staged`)."""
+        self._staged.append({**_ENTRY_DEFAULTS, **values})
+
+    def insert_staged(self) -> None:
+        """Insert the staged entries in one executemany, no ORM object: a tick charges every
+        sample since the last charge (hundreds with a few hundred jobs running), and an ORM
+        object and flush per entry cost about 0.4 ms each."""
+        if self._staged:
+            self.session.execute(insert(cast(Table, LedgerEntry.__table__)), self._staged)
+            self._staged = []
 
     def period_sums(
         self, start_at: datetime, end_at: datetime, queues: list[str] | None = None

@@ -184,6 +184,10 @@ class Node(Base):
     # and the worker host's port; None: the agent runs jobs inside this node only.
     rendezvous_host: Mapped[str | None] = mapped_column(String(253))
     worker_host_port: Mapped[int | None]
+    # When a job's runner on another node last reported this node's workers lost (None: never
+    # since it registered): no job spans onto it until it is heard from again for three
+    # heartbeat intervals after that (`planning.spannable_nodes`).
+    lost_reported_at: Mapped[datetime | None]
 
     slots: Mapped[list[GpuSlot]] = relationship(
         back_populates="node", lazy="raise", order_by="GpuSlot.index"

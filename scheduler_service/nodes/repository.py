@@ -98,6 +98,13 @@ class NodeRepository:
         )
         return int(getattr(result, "rowcount", 0) or 0)
 
+    def report_lost(self, names: Sequence[str], at: datetime) -> None:
+        """Note that a job's runner reported the workers on these nodes lost at `at`."""
+        if names:
+            self.session.execute(
+                update(Node).where(Node.name.in_(list(names))).values(lost_reported_at=at)
+            )
+
     def release_node(self, node_id: int) -> list[int]:
         """Free every slot of a node; return the ids of the jobs that held them."""
         jobs = self.session.scalars(

@@ -71,6 +71,7 @@ def register_node(
     node.worker_host_port = registration.worker_host_port
     node.state = "ready"
     node.last_heartbeat_at = now
+    node.lost_reported_at = None  # registered again: what a runner reported is past
     offered = {slot.index for slot in registration.slots}
     for info in registration.slots:
         slot = existing.get(info.index)
@@ -110,13 +111,18 @@ def revoke_node(session: Session, name: str) -> int:
 
 
 def requeue_jobs_of_node(session: Session, node: Node, *, reason: str) -> list[int]:
-    """Free a node's slots and send its running jobs back to the queue with an event."""
-    job_ids = NodeRepository(session).release_node(node.id)
+    """Free a node's slots and send its running jobs back to the queue with an event; a job
+    across nodes frees its slots on the others too (it runs nowhere until the next plan)."""
+    repo = NodeRepository(session)
+    job_ids = repo.release_node(node.id)
     jobs = JobRepository(session)
     for job_id in job_ids:
         job = jobs.get(job_id)
         if job is None or JobState(job.state) in TERMINAL_STATES:
             continue
+        # Left holding its other nodes' slots, a re-queued job was placed there as it sat, so
+        # the plan sent it no command: it stayed queued on them for good.
+        repo.release_job(job_id)
         _requeue(jobs, job, reason)
     return job_ids
 
@@ -133,8 +139,12 @@ def _went_on_alone(session: Session, job: Job, node: Node, running: RunningJob) 
     """The job's runner node lost its workers on other nodes and went on on its own slots from
     the survivors' replicas: its slots elsewhere are freed and it holds what this node runs (the
     next tick plans from there), recorded once; whether this report changed anything."""
-    if not NodeRepository(session).release_job_elsewhere(job.id, node.id):
+    repo = NodeRepository(session)
+    if not repo.release_job_elsewhere(job.id, node.id):
         return False  # told already (or the job never held slots elsewhere)
+    # No job spans onto them until they are heard from again (`planning.spannable_nodes`): a
+    # node that just died still looks fresh for a few heartbeat intervals.
+    repo.report_lost(running.lost_nodes, utcnow())
     job.current_gpus = running.gpus
     job.current_layout = running.layout
     lost = ", ".join(running.lost_nodes)

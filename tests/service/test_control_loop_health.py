@@ -120,6 +120,12 @@ def test_metrics_show_the_loops_ticks_failures_and_last_plan(
             }
             assert all(seconds >= 0 for seconds in phases.values())
             assert sum(phases.values()) <= second[f"{LOOP}_last_tick_duration_seconds"]
+            # The tick thread's CPU in a phase is part of that phase's time, never more (a
+            # little slack: the two clocks are read one after the other).
+            for name in ("snapshot", "models", "write"):
+                cpu_s = second[f'{LOOP}_last_tick_phase_cpu_seconds{{phase="{name}"}}']
+                wall_s = second[f'{LOOP}_last_tick_phase_seconds{{phase="{name}"}}']
+                assert 0 < cpu_s <= wall_s + 0.01
             assert second[f"{LOOP}_tick_failures_total"] == 1
             assert second[f"{LOOP}_last_tick_timestamp_seconds"] >= ended_s
     finally:

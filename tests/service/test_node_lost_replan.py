@@ -1,13 +1,15 @@
-"""A job across nodes that lost one of them is planned again at once: the runner's node reports
-that it went on alone from the replicas, the heartbeat asks the loop for a tick, and that one
-tick grows the job back to its count onto a surviving node with free GPUs, not onto the node it
-lost (issue 20)."""
+"""A job across nodes that lost one of them is planned again at once (issue 20): the runner's
+node reports that it went on alone from the replicas, the heartbeat asks the loop for a tick,
+and that one tick grows the job back to its count onto a surviving node with free GPUs, not onto
+the node it lost; a job whose runner's node is lost is re-queued and restarted on the node left
+in the tick that marks the node lost."""
 
 from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import select
 
 from scheduler_service.auth.service import Principal
@@ -25,12 +27,15 @@ from tests.support.fake_agent import FakeAgent, serving
 from worker_agent.protocol import Heartbeat, RunningJob
 
 
+@pytest.mark.parametrize("silent_b_s", [20, 2])
 def test_a_job_that_lost_a_node_grows_back_onto_a_free_surviving_node_in_one_tick(
     database_url: str,  # noqa: F811 (fixture)
+    silent_b_s: int,
 ) -> None:
     # Nodes a, b, c (2 GPUs each, all with a rendezvous address). The job runs on a (its
-    # runner) and b, 4 GPUs; b died 20 s ago (silent for more than three 5 s heartbeats, not
-    # yet past the 30 s timeout). a reports that the job went on alone on its 2 GPUs.
+    # runner) and b, 4 GPUs; b was last heard from `silent_b_s` ago (20: silent for more than
+    # three 5 s heartbeats; 2: it still looks fresh), not yet past the 30 s timeout. a reports
+    # that the job went on alone on its 2 GPUs: b is not chosen again either way.
     engine = make_engine(database_url)
     factory = make_session_factory(engine)
     secrets = NodeSecrets.generate()
@@ -42,7 +47,7 @@ def test_a_job_that_lost_a_node_grows_back_onto_a_free_surviving_node_in_one_tic
             for i, name in enumerate(("a", "b", "c")):
                 node = Node(
                     name=name, agent_url=agent_a.url if name == "a" else "http://127.0.0.1:9",
-                    last_heartbeat_at=now - timedelta(seconds=20 if name == "b" else 0),
+                    last_heartbeat_at=now - timedelta(seconds=silent_b_s if name == "b" else 0),
                     secret_key_id=secrets.key_id, agent_secret_nonce="nonce",
                     rendezvous_host=f"198.18.0.{2 + i}", worker_host_port=7000 + i,
                 )  # fmt: skip
@@ -118,5 +123,82 @@ def test_a_job_that_lost_a_node_grows_back_onto_a_free_surviving_node_in_one_tic
                 # Growing back is a hot switch of the job's runner, at the step it reached.
                 after = [kind for kind, _ in kinds[[k for k, _ in kinds].index("node_lost") :]]
                 assert "hot_switch" in after, kinds
+        finally:
+            engine.dispose()
+
+
+def test_a_job_whose_runner_node_is_lost_restarts_on_its_surviving_node_in_the_same_tick(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # The job runs on a (its runner) and b, 2 GPUs each; a's heartbeats stopped 60 s ago (the
+    # timeout is 30 s). The tick that marks a lost re-queues the job, frees its slots on b too,
+    # and plans it at once: a start on b, the node left, from the newest checkpoint (as b's
+    # agent answers here). Before, the job kept b's slots and the plan, placing it where it sat,
+    # sent no command: it stayed queued.
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    secrets = NodeSecrets.generate()
+    now = datetime.now(UTC)
+    agent_b = FakeAgent("b")
+    with serving(agent_b):
+        with transaction(factory) as session:
+            nodes: dict[str, int] = {}
+            for i, name in enumerate(("a", "b")):
+                node = Node(
+                    name=name, agent_url=agent_b.url if name == "b" else "http://127.0.0.1:9",
+                    last_heartbeat_at=now - timedelta(seconds=60 if name == "a" else 0),
+                    secret_key_id=secrets.key_id, agent_secret_nonce="nonce",
+                    rendezvous_host=f"198.18.0.{2 + i}", worker_host_port=7000 + i,
+                )  # fmt: skip
+                session.add(node)
+                session.flush()
+                session.add_all(GpuSlot(node_id=node.id, index=k) for k in range(2))
+                nodes[name] = node.id
+            job = Job(
+                owner="alice", name="wide", workload="resnet50", global_batch_size=256,
+                total_samples=10**9, samples_done=120 * 256, step=120, min_gpus=2, max_gpus=4,
+                state=JobState.RUNNING.value, state_reason="running", created_at=now,
+                updated_at=now, current_gpus=4, current_layout="dp4-tp1-pp1",
+            )  # fmt: skip
+            session.add(job)
+            session.flush()
+            job_id = job.id
+            session.add(
+                Allocation(
+                    job_id=job_id, generation=1, node_id=nodes["a"], gpus=4, slot_indices=[0, 1],
+                    parts=[[nodes["b"], [0, 1]]], status="acked",
+                )
+            )  # fmt: skip
+            NodeRepository(session).assign_parts(
+                [(nodes["a"], [0, 1]), (nodes["b"], [0, 1])], job_id
+            )
+        agent_b.steps[job_id] = 100  # the newest checkpoint, written at step 100
+
+        async def one_tick() -> TickReport:
+            # Elastic (the static policy would wait for the job's largest count, 4).
+            loop = ControlLoop(_config(limit_kg=1000.0), factory, engine,
+                               policy="carbon-agnostic", node_secrets=secrets)  # fmt: skip
+            try:
+                return await loop.tick()
+            finally:
+                await loop.agents.aclose()
+
+        try:
+            report = asyncio.run(one_tick())
+            assert (report.commands, report.acked) == (1, 1)
+            (command,) = agent_b.commands
+            assert (command.generation, command.slot_indices, command.remote) == (2, [0, 1], [])
+            with transaction(factory) as session:
+                row = session.get(Job, job_id)
+                assert row is not None
+                assert (row.state, row.current_gpus, row.step) == (JobState.RUNNING.value, 2, 100)
+                reasons = [
+                    e.reason
+                    for e in session.scalars(
+                        select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
+                    )
+                ]
+                assert any("node a lost (no heartbeat for 30 s)" in r for r in reasons), reasons
+                assert any("resumed from checkpoint at step100" in r for r in reasons), reasons
         finally:
             engine.dispose()
