@@ -11,11 +11,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from scheduler_service.auth.service import Principal
 from scheduler_service.auth.tokens import Role
 from scheduler_service.control_loop import ControlLoop, TickReport
-from scheduler_service.db.models import Allocation, GpuSlot, Job, JobEvent, Node
+from scheduler_service.db.models import Allocation, GpuSlot, Job, JobEvent
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
@@ -24,6 +25,7 @@ from scheduler_service.nodes.service import heartbeat
 from tests.api.conftest import database_url, postgres_server  # noqa: F401
 from tests.service.test_budget_watchdog import _config
 from tests.support.fake_agent import FakeAgent, serving
+from tests.support.rows import add_node
 from worker_agent.protocol import Heartbeat, RunningJob
 
 
@@ -43,35 +45,15 @@ def test_a_job_that_lost_a_node_grows_back_onto_a_free_surviving_node_in_one_tic
     agent_a = FakeAgent("a", steps={}, running=set())
     with serving(agent_a):
         with transaction(factory) as session:
-            nodes: dict[str, int] = {}
-            for i, name in enumerate(("a", "b", "c")):
-                node = Node(
-                    name=name, agent_url=agent_a.url if name == "a" else "http://127.0.0.1:9",
-                    last_heartbeat_at=now - timedelta(seconds=silent_b_s if name == "b" else 0),
-                    secret_key_id=secrets.key_id, agent_secret_nonce="nonce",
-                    rendezvous_host=f"198.18.0.{2 + i}", worker_host_port=7000 + i,
-                )  # fmt: skip
-                session.add(node)
-                session.flush()
-                session.add_all(GpuSlot(node_id=node.id, index=k) for k in range(2))
-                nodes[name] = node.id
-            job = Job(
-                owner="alice", name="wide", workload="resnet50", global_batch_size=256,
-                total_samples=10**9, samples_done=120 * 256, step=120, min_gpus=2, max_gpus=4,
-                state=JobState.RUNNING.value, state_reason="running", created_at=now,
-                updated_at=now, current_gpus=4, current_layout="dp4-tp1-pp1",
-            )  # fmt: skip
-            session.add(job)
-            session.flush()
-            job_id = job.id
-            session.add(
-                Allocation(
-                    job_id=job_id, generation=1, node_id=nodes["a"], gpus=4, slot_indices=[0, 1],
-                    parts=[[nodes["b"], [0, 1]]], status="acked",
-                )
-            )  # fmt: skip
-            NodeRepository(session).assign_parts(
-                [(nodes["a"], [0, 1]), (nodes["b"], [0, 1])], job_id
+            nodes, job_id = _wide_job_on_a_and_b(
+                session,
+                {
+                    "a": (agent_a.url, now),
+                    "b": ("http://127.0.0.1:9", now - timedelta(seconds=silent_b_s)),
+                    "c": ("http://127.0.0.1:9", now),
+                },
+                secrets,
+                now,
             )
         agent_a.steps[job_id] = 121
         agent_a.running.add(job_id)
@@ -142,35 +124,14 @@ def test_a_job_whose_runner_node_is_lost_restarts_on_its_surviving_node_in_the_s
     agent_b = FakeAgent("b")
     with serving(agent_b):
         with transaction(factory) as session:
-            nodes: dict[str, int] = {}
-            for i, name in enumerate(("a", "b")):
-                node = Node(
-                    name=name, agent_url=agent_b.url if name == "b" else "http://127.0.0.1:9",
-                    last_heartbeat_at=now - timedelta(seconds=60 if name == "a" else 0),
-                    secret_key_id=secrets.key_id, agent_secret_nonce="nonce",
-                    rendezvous_host=f"198.18.0.{2 + i}", worker_host_port=7000 + i,
-                )  # fmt: skip
-                session.add(node)
-                session.flush()
-                session.add_all(GpuSlot(node_id=node.id, index=k) for k in range(2))
-                nodes[name] = node.id
-            job = Job(
-                owner="alice", name="wide", workload="resnet50", global_batch_size=256,
-                total_samples=10**9, samples_done=120 * 256, step=120, min_gpus=2, max_gpus=4,
-                state=JobState.RUNNING.value, state_reason="running", created_at=now,
-                updated_at=now, current_gpus=4, current_layout="dp4-tp1-pp1",
-            )  # fmt: skip
-            session.add(job)
-            session.flush()
-            job_id = job.id
-            session.add(
-                Allocation(
-                    job_id=job_id, generation=1, node_id=nodes["a"], gpus=4, slot_indices=[0, 1],
-                    parts=[[nodes["b"], [0, 1]]], status="acked",
-                )
-            )  # fmt: skip
-            NodeRepository(session).assign_parts(
-                [(nodes["a"], [0, 1]), (nodes["b"], [0, 1])], job_id
+            _, job_id = _wide_job_on_a_and_b(
+                session,
+                {
+                    "a": ("http://127.0.0.1:9", now - timedelta(seconds=60)),
+                    "b": (agent_b.url, now),
+                },
+                secrets,
+                now,
             )
         agent_b.steps[job_id] = 100  # the newest checkpoint, written at step 100
 
@@ -202,3 +163,37 @@ def test_a_job_whose_runner_node_is_lost_restarts_on_its_surviving_node_in_the_s
                 assert any("resumed from checkpoint at step100" in r for r in reasons), reasons
         finally:
             engine.dispose()
+
+
+def _wide_job_on_a_and_b(
+    session: Session,
+    heard: dict[str, tuple[str, datetime]],
+    secrets: NodeSecrets,
+    now: datetime,
+) -> tuple[dict[str, int], int]:
+    """Nodes named as `heard` (agent URL, last heartbeat; 2 GPUs each, with rendezvous
+    addresses) and one 4-GPU job running on a (its runner) and b, acknowledged: (node ids by
+    name, the job's id)."""
+    nodes: dict[str, int] = {}
+    for i, (name, (url, last_heard)) in enumerate(heard.items()):
+        nodes[name] = add_node(
+            session, name, 2, agent_url=url, last_heartbeat_at=last_heard,
+            secret_key_id=secrets.key_id, agent_secret_nonce="nonce",
+            rendezvous_host=f"198.18.0.{2 + i}", worker_host_port=7000 + i,
+        ).id  # fmt: skip
+    job = Job(
+        owner="alice", name="wide", workload="resnet50", global_batch_size=256,
+        total_samples=10**9, samples_done=120 * 256, step=120, min_gpus=2, max_gpus=4,
+        state=JobState.RUNNING.value, state_reason="running", created_at=now,
+        updated_at=now, current_gpus=4, current_layout="dp4-tp1-pp1",
+    )  # fmt: skip
+    session.add(job)
+    session.flush()
+    session.add(
+        Allocation(
+            job_id=job.id, generation=1, node_id=nodes["a"], gpus=4, slot_indices=[0, 1],
+            parts=[[nodes["b"], [0, 1]]], status="acked",
+        )
+    )  # fmt: skip
+    NodeRepository(session).assign_parts([(nodes["a"], [0, 1]), (nodes["b"], [0, 1])], job.id)
+    return nodes, job.id
