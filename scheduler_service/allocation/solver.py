@@ -228,22 +228,20 @@ def solve_with_baselines(
         polish_budget_s += unused_trials * steps.estimates_s["repair"] / steps.repair_trials
         if polish_pass_s(len(problem.jobs), problem.num_slots) <= polish_budget_s:
             polish_passes = tuning.polish_max_passes
-    starts = [(best, polish_budget_s)]
-    seeded_best = min(
-        (c for c in feasible if c.step.startswith("lp_greedy")),
-        key=lambda c: c.evaluation.objective,
-        default=None,
-    )
-    if seeded_best is not None and seeded_best is not best and steps.lp_polish_budget_s > 0:
-        starts.append((seeded_best, steps.lp_polish_budget_s))
     polished_by = 0.0
     polished: dict[str, tuple[int, ...]] | None = None
     if best is not None and polish_passes > 0:
         ran.append("polish")
+        starts = [(best, polish_budget_s)]
+        seeded_best = min(
+            (c for c in feasible if c.step.startswith("lp_greedy")),
+            key=lambda c: c.evaluation.objective,
+            default=None,
+        )
+        if seeded_best is not None and seeded_best is not best and steps.lp_polish_budget_s > 0:
+            starts.append((seeded_best, steps.lp_polish_budget_s))
         unpolished = best
         for start_from, budget_s in starts:
-            if start_from is None:
-                continue
             start = option_matrix(problem, start_from.gpus, arrays)[0]
             refined = gpus_from_options(
                 problem, arrays, polish(problem, arrays, start, polish_passes, budget_s=budget_s)
