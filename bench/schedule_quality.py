@@ -38,6 +38,8 @@ Usage:
         [--series US-CAL-CISO_2021,ES_2021] [--prices 50000,200000,500000]
         [--budget-shares 0.5,0.75] [--frontier-prices 200000] [--slack-prices 10750,17500,70000]
         [--horizon-slots 96] [--lagrangian-iterations 400] [--charts-dir docs/img]
+    python -m bench.schedule_quality --merge A.json B.json [--charts-dir docs/img]
+        # one report (targets, frontier, charts) from runs split by series or scenario
 """
 
 from __future__ import annotations
@@ -578,7 +580,23 @@ def main() -> None:
     # --cluster nodes, of which the first --spannable-nodes may be spanned (default all).
     parser.add_argument("--placement", choices=("pooled", "nodes"), default="pooled")
     parser.add_argument("--spannable-nodes", type=int, default=None)
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="REPORT",
+        help="no runs: merge these reports of runs split by series or scenario into one "
+        "(targets, frontier, charts in --charts-dir unless --no-charts)",
+    )
     args = parser.parse_args()
+    if args.merge:
+        try:
+            reports = [json.loads(path.read_text()) for path in args.merge]
+            merged = merge_reports(reports, None if args.no_charts else args.charts_dir)
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--merge: {error!r}")
+        print(json.dumps(merged, indent=2))
+        return
     if args.lagrangian_iterations < 0:
         parser.error("--lagrangian-iterations must be >= 0")
     if not 0 <= args.slack_share <= 1:
@@ -733,20 +751,6 @@ def main() -> None:
             draw_charts(name, results, path)
             charts[name] = str(path)
 
-    names = list(next(iter(by_series.values())))
-    policies = {n: aggregate([by_series[s][n] for s in by_series]) for n in names}
-    keys = ("carbon_at_same_deadline_ratio", "jct_vs_lagrangian_bound", "slack_workload_carbon")
-    targets: dict[str, Any] = {
-        key: {
-            s: {k: t[key][k] for k in ("figure", "upper_bound", "goal", "met")}
-            for s, t in per_series.items()
-        }
-        for key in keys
-    }
-    targets["frontier_dominates_every_baseline"] = {
-        s: t["frontier"]["dominates_every_baseline"] for s, t in per_series.items()
-    }
-    targets["by_series"] = per_series
     settings = {
         "trace": args.trace,
         "jobs": len(jobs),
@@ -773,17 +777,64 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - began_all, 1),
         "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
     }
-    print(
-        json.dumps(
-            {
-                "policies": policies,
-                "targets": targets,
-                "by_series": by_series,
-                "settings": settings,
-            },
-            indent=2,
-        )
-    )
+    print(json.dumps(bench_report(by_series, per_series, settings), indent=2))
+
+
+TARGET_KEYS = ("carbon_at_same_deadline_ratio", "jct_vs_lagrangian_bound", "slack_workload_carbon")
+
+
+def bench_report(
+    by_series: dict[str, dict[str, Any]],
+    per_series: dict[str, dict[str, Any]],
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """The bench's JSON: {"policies", "targets", "by_series", "settings"}."""
+    names = list(dict.fromkeys(n for results in by_series.values() for n in results))
+    policies = {
+        n: aggregate([by_series[s][n] for s in by_series if n in by_series[s]]) for n in names
+    }
+    targets: dict[str, Any] = {
+        key: {
+            s: {k: t[key][k] for k in ("figure", "upper_bound", "goal", "met")}
+            for s, t in per_series.items()
+        }
+        for key in TARGET_KEYS
+    }
+    targets["frontier_dominates_every_baseline"] = {
+        s: t["frontier"]["dominates_every_baseline"] for s, t in per_series.items()
+    }
+    targets["by_series"] = per_series
+    return {"policies": policies, "targets": targets, "by_series": by_series, "settings": settings}
+
+
+def merge_reports(reports: list[dict[str, Any]], charts_dir: Path | None) -> dict[str, Any]:
+    """One report from runs of the same bench split by series or scenario (one process each):
+    every run of each, each target from the report that ran it, the frontier and the charts
+    (unless `charts_dir` is None) over all runs."""
+    by_series: dict[str, dict[str, Any]] = {}
+    per_series: dict[str, dict[str, Any]] = {}
+    for one in reports:
+        for name, results in one["by_series"].items():
+            clash = set(by_series.get(name, {})) & set(results)
+            if clash:
+                raise ValueError(f"{name}: runs {sorted(clash)} appear in two reports")
+            by_series.setdefault(name, {}).update(results)
+            targets = per_series.setdefault(name, {k: dict(NOT_RUN) for k in TARGET_KEYS})
+            for key in TARGET_KEYS:
+                theirs = one["targets"]["by_series"][name][key]
+                if theirs.get("ran", True):
+                    if targets[key].get("ran", True):
+                        raise ValueError(f"{name}: target {key} was run in two reports")
+                    targets[key] = theirs
+    charts: dict[str, str] = {}
+    for name, results in by_series.items():
+        per_series[name]["frontier"] = frontier(results)
+        if charts_dir is not None:
+            path = charts_dir / f"schedule_quality_{name}.png"
+            draw_charts(name, results, path)
+            charts[name] = str(path)
+    settings = {"merged_from": [one["settings"] for one in reports], "charts": charts}
+    return bench_report(by_series, per_series, settings)
 
 
 if __name__ == "__main__":

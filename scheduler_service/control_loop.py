@@ -465,14 +465,12 @@ class ControlLoop:
         thread's)."""
         planner = self.config.planner
         if self.solver is not None:
-            return self.solver.solve(
-                problem, self.previous, planner.solver_time_limit_s, planner.seed
-            )
+            return self.solver.solve(problem, self.previous, planner.solve_limit_s(), planner.seed)
         began_s = time.thread_time()
         plan = self.policy(
             problem,
             previous=self.previous,
-            time_limit_s=planner.solver_time_limit_s,
+            time_limit_s=planner.solve_limit_s(),
             seed=planner.seed,
         )
         return plan, time.thread_time() - began_s

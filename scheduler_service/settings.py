@@ -134,6 +134,11 @@ def default_budget_check_s(slot_s: float) -> float:
     return min(max(slot_s / 5, 1.0), 300.0)
 
 
+def default_solver_time_limit_s(slot_s: float) -> float:
+    """A solve's time limit when none is set: a sixtieth of a slot, within 2-60 s."""
+    return min(max(slot_s / 60, 2.0), 60.0)
+
+
 class PlannerConfig(BaseModel):
     """Slot length and horizon of the allocation plan."""
 
@@ -141,7 +146,11 @@ class PlannerConfig(BaseModel):
 
     slot_s: Annotated[int, Field(ge=1, le=86_400)] = 300
     horizon_s: Annotated[int, Field(ge=60, le=14 * 86_400)] = 86_400
-    solver_time_limit_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    # A tick's solve may take this long; None: slot_s / 60, within 2-60 s (5 s at the default
+    # 300 s slot). The plan in force runs for a whole slot, so a longer slot affords a longer
+    # solve, and the OR-Tools steps (LP, its roundings and seeded greedy rounds) only fit the
+    # step budget from a few seconds up at hundreds of jobs (docs/allocation.md).
+    solver_time_limit_s: Annotated[float | None, Field(gt=0, le=600)] = None
     # How often, between ticks, the loop records the intensity now, charges new telemetry and
     # checks the hard budget (the budget watchdog); None: slot_s / 5, within 1-300 s.
     budget_check_interval_s: Annotated[float | None, Field(gt=0, le=3600)] = None
@@ -170,6 +179,12 @@ class PlannerConfig(BaseModel):
     # `greenflow serve` solves in a worker process: a solve of seconds then neither waits for
     # the API's threads (one GIL) nor stalls them. False: in the control loop's own thread.
     solver_process: bool = True
+
+    def solve_limit_s(self) -> float:
+        """Seconds one tick's solve may take."""
+        if self.solver_time_limit_s is not None:
+            return self.solver_time_limit_s
+        return default_solver_time_limit_s(self.slot_s)
 
     def budget_check_s(self) -> float:
         """Seconds between the loop's intensity samples and budget checks."""

@@ -786,14 +786,18 @@ def simulate_trace(
         # whichever comes first, then re-plan. ElasticFlow's simulator merges the events of one
         # slot instead: with `elasticflow_events` every step is a whole slot.
         overheads: dict[str, float] | None = None
-        if ef_overhead is not None and (
-            ef_event or any(first[j] != states[j].current_gpus for j in active)
-        ):
+        eventful = ef_event or any(first[j] != states[j].current_gpus for j in active)
+        if ef_overhead is not None and eventful:
             overheads = ef_overhead.event([(j, first[j]) for j in active if first[j] > 0])
         moves: dict[str, tuple[int, float, bool]] = {}
         runs: list[tuple[float, float]] = []  # (real power_w, s until it finishes) per running job
         step_s = slot_s
-        if next_arrival < len(pending) and not config.elasticflow_events:
+        if next_arrival < len(pending) and (not config.elasticflow_events or not eventful):
+            # ElasticFlow merges the events of the slot after an event into one; after a step
+            # with no event (no arrival, completion or count change) the chain is broken, and the
+            # next arrival is an event of its own at its time, as on an idle cluster. Aligned to
+            # the step grid instead, a busy replay merged an arrival with those of the next
+            # second, which an idle one admitted alone (cluster06[:20], 60 s, `f9d6d733`).
             step_s = min(step_s, max(pending[next_arrival].submission_s - now, 1.0))
         for job_id in active:
             state = states[job_id]

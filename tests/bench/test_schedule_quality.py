@@ -6,6 +6,7 @@ import json
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,19 +91,66 @@ def test_slack_trace_turns_a_seeded_share_into_windowed_best_effort_jobs() -> No
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
-@pytest.mark.skipif(not (DATA / "elasticflow").is_dir(), reason="benchmark data not present")
-def test_a_tiny_run_writes_one_chart_per_series_with_every_policy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    args = "--jobs 4 --cluster 1x8 --series ES_2021 --prices 200000 --budget-shares 0.5"
-    args += " --frontier-prices 200000 --slack-prices 100000 --horizon-slots 8"
-    args += f" --lagrangian-iterations 0 --data {DATA} --charts-dir {tmp_path}"
+def _run_bench(
+    args: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> dict[str, Any]:
+    """The bench's JSON for `args` (command-line words)."""
     monkeypatch.setattr(sys, "argv", ["schedule_quality", *args.split()])
     main()
-    report = json.loads(capsys.readouterr().out)
+    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return report
+
+
+@pytest.mark.skipif(not (DATA / "elasticflow").is_dir(), reason="benchmark data not present")
+def test_runs_split_by_scenario_merge_into_one_report_with_every_chart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tiny = f"--jobs 4 --cluster 1x8 --series ES_2021 --horizon-slots 8 --data {DATA}"
+    # One process per scenario, as the full bench is run: each leaves the others' targets out.
+    deadlines = _run_bench(
+        f"{tiny} --prices 200000 --scenarios deadlines --charts-dir {tmp_path / 'd'}",
+        monkeypatch,
+        capsys,
+    )
+    assert set(deadlines["by_series"]["ES_2021"]) == {
+        "carbon-agnostic",
+        "static",
+        "carbon-greedy",
+        "shift",
+        "greenflow",
+        "greenflow-price-200000",
+    }
+    targets = deadlines["targets"]["by_series"]["ES_2021"]
+    assert targets["jct_vs_lagrangian_bound"]["ran"] is False
+    assert targets["slack_workload_carbon"]["ran"] is False
+    assert targets["carbon_at_same_deadline_ratio"]["upper_bound"] is not None
+    plotted = json.loads((tmp_path / "d" / "schedule_quality_ES_2021.json").read_text())
+    assert set(plotted) == {"deadline_ratio", "avg_jct"}
+    rest = _run_bench(
+        f"{tiny} --scenarios budget,slack --budget-shares 0.5 --frontier-prices 200000"
+        f" --slack-prices 100000 --lagrangian-iterations 0 --charts-dir {tmp_path / 'r'}",
+        monkeypatch,
+        capsys,
+    )
+    assert rest["targets"]["by_series"]["ES_2021"]["carbon_at_same_deadline_ratio"]["ran"] is False
+    paths = []
+    for name, one in (("deadlines", deadlines), ("rest", rest)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(one))
+    merged = _run_bench(
+        f"--merge {paths[0]} {paths[1]} --charts-dir {tmp_path}", monkeypatch, capsys
+    )
     png = tmp_path / "schedule_quality_ES_2021.png"
-    assert report["settings"]["charts"] == {"ES_2021": str(png)}
+    assert merged["settings"]["charts"] == {"ES_2021": str(png)}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = merged["by_series"]["ES_2021"]
+    assert runs == {**deadlines["by_series"]["ES_2021"], **rest["by_series"]["ES_2021"]}
+    # Each target comes from the run that measured it.
+    by_target = merged["targets"]["by_series"]["ES_2021"]
+    assert by_target["carbon_at_same_deadline_ratio"] == targets["carbon_at_same_deadline_ratio"]
+    for key in ("jct_vs_lagrangian_bound", "slack_workload_carbon"):
+        assert by_target[key] == rest["targets"]["by_series"]["ES_2021"][key]
+        assert merged["targets"][key]["ES_2021"]["figure"] == by_target[key]["figure"]
     plotted = json.loads(png.with_suffix(".json").read_text())
     every_job = {"greenflow", "carbon-agnostic", "static", "carbon-greedy", "shift"}
     assert set(plotted) == {"deadline_ratio", "avg_jct", "slack_avg_jct"}
@@ -119,16 +167,23 @@ def test_a_tiny_run_writes_one_chart_per_series_with_every_policy(
         "slack_avg_jct": {"slack-greenflow", "slack-greenflow-price-100000"},
     }
     # Each point is the run's own figures.
-    runs = report["by_series"]["ES_2021"]
     for kg, met, key in plotted["deadline_ratio"]["greenflow"]:
         assert (kg, met) == (runs[key]["emissions_kg"], runs[key]["deadline_met_ratio"])
-    frontier = report["targets"]["by_series"]["ES_2021"]["frontier"]
+    frontier = by_target["frontier"]
     assert set(frontier["slack_avg_jct"]) == {
         "slack-carbon-agnostic",
         "slack-static",
         "slack-carbon-greedy",
         "slack-shift",
     }
+    # The frontier is over every run: the budget panel's baselines are judged too.
+    assert set(frontier["avg_jct"]) >= {"carbon-agnostic-capped", "static"}
+    # A report merged with itself would count runs twice: refused.
+    monkeypatch.setattr(sys, "argv", ["schedule_quality", "--merge", str(paths[0]), str(paths[0])])
+    with pytest.raises(SystemExit) as refused:
+        main()
+    assert refused.value.code == 2
+    assert "appear in two reports" in capsys.readouterr().err
 
 
 def test_pareto_keeps_the_points_nothing_beats_at_no_more_carbon() -> None:
@@ -136,29 +191,3 @@ def test_pareto_keeps_the_points_nothing_beats_at_no_more_carbon() -> None:
     assert [p[2] for p in pareto(points, higher_is_better=True)] == ["d", "a", "b"]
     jct = [[30.0, 7000.0, "a"], [34.0, 6000.0, "b"], [40.0, 6500.0, "c"]]
     assert [p[2] for p in pareto(jct, higher_is_better=False)] == ["a", "b"]
-
-
-@pytest.mark.skipif(not (DATA / "elasticflow").is_dir(), reason="benchmark data not present")
-def test_scenarios_leave_out_the_other_targets(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    args = "--jobs 4 --cluster 1x8 --series ES_2021 --prices 200000 --horizon-slots 8"
-    args += f" --scenarios deadlines --data {DATA} --charts-dir {tmp_path}"
-    monkeypatch.setattr(sys, "argv", ["schedule_quality", *args.split()])
-    main()
-    report = json.loads(capsys.readouterr().out)
-    runs = set(report["by_series"]["ES_2021"])
-    assert runs == {
-        "carbon-agnostic",
-        "static",
-        "carbon-greedy",
-        "shift",
-        "greenflow",
-        "greenflow-price-200000",
-    }
-    targets = report["targets"]["by_series"]["ES_2021"]
-    assert targets["jct_vs_lagrangian_bound"]["ran"] is False
-    assert targets["slack_workload_carbon"]["ran"] is False
-    assert targets["carbon_at_same_deadline_ratio"]["upper_bound"] is not None
-    plotted = json.loads((tmp_path / "schedule_quality_ES_2021.json").read_text())
-    assert set(plotted) == {"deadline_ratio", "avg_jct"}

@@ -24,11 +24,13 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import func, select
 
 from bench.netns import Network, network, unavailable
 from scheduler_service.auth.service import create_token
 from scheduler_service.auth.tokens import Role
 from scheduler_service.db import migrate
+from scheduler_service.db.models import Allocation, Plan
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from tests.api.conftest import make_tokens
 from tests.e2e.test_end_to_end import write_hourly_trace
@@ -56,11 +58,13 @@ slot_s = 5
 horizon_s = 100
 solver_time_limit_s = 2.0
 [cluster]
-# Generous: a node declared lost on a loaded machine would re-queue the job mid-test.
-heartbeat_timeout_s = 60
+heartbeat_timeout_s = {heartbeat_timeout_s}
 agent_heartbeat_interval_s = 1
 agent_telemetry_interval_s = 1
 """
+HEARTBEAT_TIMEOUT_S = 60
+"""Generous: a node declared lost on a loaded machine would re-queue the job mid-test (a test
+that kills a node passes a shorter one as the fixture's parameter)."""
 AGENT_PORT = 9100
 """Each agent's API port inside its own namespace."""
 
@@ -145,7 +149,9 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
+    """The scheduler and two nodes' namespaces; `request.param`: the heartbeat timeout (s)."""
+    timeout_s = float(getattr(request, "param", HEARTBEAT_TIMEOUT_S))
     url = f"sqlite:///{tmp_path / 'greenflow.db'}"
     migrate.upgrade(url)
     base = make_tokens(url)
@@ -156,7 +162,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     trace = tmp_path / "trace.csv"
     write_hourly_trace(trace, lambda hour: 50.0)
     config = tmp_path / "greenflow.toml"
-    config.write_text(CONFIG.format(trace=trace))
+    config.write_text(CONFIG.format(trace=trace, heartbeat_timeout_s=timeout_s))
     port = free_port()
     env = {
         "GREENFLOW_DATABASE_URL": url,
@@ -319,4 +325,90 @@ def test_a_spanning_job_whose_second_node_dies_goes_on_on_the_first(cluster: Clu
         120,
     )
     print(f"node B killed: the job ran again on A {lost_after_s:.0f} s later, from {restart}")
+    assert c.api.post(f"/v1/jobs/{big}/cancel").status_code == 200
+
+
+RUNNER_LOST_TIMEOUT_S = 20
+"""The heartbeat timeout of the runner-lost test: short, so the test is (agents beat every
+1 s, so 20 s of silence is a dead node even on a loaded machine)."""
+
+
+@pytest.mark.parametrize("cluster", [RUNNER_LOST_TIMEOUT_S], indirect=True)
+def test_a_spanning_job_whose_runner_node_dies_restarts_on_the_other_from_a_checkpoint(
+    cluster: Cluster,
+) -> None:
+    # Node A holds the job's runner: its rank 0 and its rendezvous store. SIGKILL of A's agent
+    # and workers leaves B's workers without their runner; the tick that finds A's heartbeats
+    # timed out re-queues the job, frees B's slots with A's, and starts it on B as its own
+    # runner from the newest checkpoint in the shared directory.
+    c = cluster
+    big, _, pids_a, details = _spanning_job(c)
+    pids_b = set(details["worker_pids"]) - set(pids_a)
+    latest = c.tmp / "checkpoints" / f"job-{big}" / "LATEST"
+
+    def checkpointed_step() -> int:
+        text = latest.read_text().strip() if latest.is_file() else ""
+        return int(text.removeprefix("step-")) if text.startswith("step-") else -1
+
+    c.wait("a checkpoint since the grow", lambda: checkpointed_step() > details["step"], 120)
+    assert c.net.kill_node("h3a")  # agent A, the runner and A's workers, SIGKILL
+    killed_at = datetime.now(UTC)
+    c.set_gpu_range(big, 2, 4)  # what node B alone holds will do
+    time.sleep(1)  # A's last telemetry, if any was on its way, is in
+    samples_at_kill = c.get(f"/v1/jobs/{big}")["samples_done"]
+    c.wait(
+        "the job running again on node B alone",
+        lambda: (
+            c.placement(big) == {"h3b": [0, 1]}
+            and len(c.events(big, "allocation")) >= 2
+            and c.get(f"/v1/jobs/{big}")["state"] == "RUNNING"
+        ),
+        300,
+    )
+    events = c.get(f"/v1/jobs/{big}/events")
+    (lost,) = [e for e in events if "node h3a lost" in e["reason"]]
+    assert lost["to_state"] == "QUEUED", lost
+    assert f"no heartbeat for {RUNNER_LOST_TIMEOUT_S} s" in lost["reason"], lost
+    restart = c.events(big, "allocation")[-1]["details"]
+    # Resumed from a checkpoint written while it spanned, not from step 0; what it had trained
+    # since is redone, and the event says how much.
+    assert str(restart["resumed_from"]).startswith("checkpoint@step"), restart
+    assert restart["step"] > details["step"] and restart["gpus"] == 2
+    assert restart["samples_lost"] == max(0, samples_at_kill - 16 * restart["step"]), restart
+    # B's workers of the old run left with their runner (so B's slots were free to start on).
+    assert not pids_b & set(restart["worker_pids"])
+    assert not [pid for pid in pids_b if Path(f"/proc/{pid}").exists()], pids_b
+    # Re-planned in the very tick that found A lost: the new command's plan is the first one
+    # written after the event (mark, solve and command are one tick's two transactions).
+    lost_at = datetime.fromisoformat(lost["at"])
+    engine = make_engine(f"sqlite:///{c.tmp / 'greenflow.db'}")
+    try:
+        with transaction(make_session_factory(engine)) as session:
+            command = session.scalars(
+                select(Allocation).where(Allocation.generation == restart["generation"])
+            ).one()
+            ticks = session.scalar(
+                select(func.count(Plan.id)).where(
+                    Plan.created_at >= lost_at, Plan.created_at <= command.created_at
+                )
+            )
+            sent_s = (command.created_at - lost_at).total_seconds()
+            acked_at = command.acked_at
+    finally:
+        engine.dispose()
+    assert ticks == 1, (ticks, sent_s)
+    lost_s = (lost_at - killed_at).total_seconds()
+    # Found lost at the first tick after the timeout (ticks every 5 s; the load may delay it).
+    assert RUNNER_LOST_TIMEOUT_S - 2 <= lost_s <= RUNNER_LOST_TIMEOUT_S + 2 * 5 + 10, lost_s
+    c.wait(
+        "training past the restart",
+        lambda: c.get(f"/v1/jobs/{big}")["step"] > restart["step"],
+        120,
+    )
+    assert acked_at is not None
+    print(
+        f"runner node A killed: found lost {lost_s:.1f} s later; start on B sent {sent_s:.2f} s "
+        f"after that, running {(acked_at - lost_at).total_seconds():.1f} s after it, from "
+        f"{restart['resumed_from']}, {restart['samples_lost']} samples redone"
+    )
     assert c.api.post(f"/v1/jobs/{big}/cancel").status_code == 200

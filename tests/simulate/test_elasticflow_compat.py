@@ -154,3 +154,36 @@ def test_elasticflow_events_admit_an_arrival_batch_together_and_after_a_slot(
     # Handled at the slot's end (900 s), then 300 s on 1 GPU: it still makes 1,400 s.
     assert theirs["later"].deadline_met and theirs["later"].finish_s is not None
     assert theirs["later"].finish_s >= 900.0
+
+
+def test_elasticflow_events_an_arrival_after_a_quiet_slot_is_an_event_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """ElasticFlow merges only the slot after an event: after a step with no event (no arrival,
+    completion or count change) the next arrival is handled at its own time, not a slot later."""
+    profiles = load_scaling_profiles(write_profiles(tmp_path))  # toy: 10 it/s on 1 GPU, 30 on 4
+    series = load_intensity_csv(write_series(tmp_path, [100.0] * 24))
+    jobs = load_trace(
+        write_trace(
+            tmp_path,
+            [
+                "busy,0,360000,toy,,32,4,36000",  # no deadline: 4 GPUs, unchanged, for 12,000 s
+                "lone,1000,3000,toy,1500,32,1,300",  # 100 s on 4 GPUs, due 500 s after arrival
+            ],
+        )
+    )
+    ef = SimulationConfig(
+        "carbon-agnostic",
+        1,
+        4,
+        slot_s=900.0,
+        horizon_slots=8,
+        switch_s=0.0,
+        elasticflow_events=True,
+    )
+    outcomes = {o.job_id: o for o in simulate_trace(jobs, series, profiles, ef).outcomes}
+    # The step from 900 s had no event, so the arrival at 1,000 s starts one: on the 900 s grid
+    # it would wait until 1,800 s, past its deadline, and be declined.
+    lone = outcomes["lone"]
+    assert lone.admitted and lone.deadline_met
+    assert lone.finish_s is not None and 1000.0 < lone.finish_s <= 1500.0

@@ -95,9 +95,10 @@ def _toy_case(
 def test_overhead_delays_finishes_by_the_hand_computed_seconds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """a: 1 GPU, then 2 GPUs from 120 s; b arrives at 100 s (handled at 120 s) on 1 GPU."""
+    """a: 1 GPU, then 2 GPUs from 60 s; b arrives at 100 s (in the slot after that change, so
+    handled at 120 s) on 1 GPU."""
     jobs, series, profiles = _toy_case(tmp_path)
-    monkeypatch.setattr(engine, "get_policy", lambda name: _timed_policy({"a": [(120.0, 2)]}))
+    monkeypatch.setattr(engine, "get_policy", lambda name: _timed_policy({"a": [(60.0, 2)]}))
 
     def run(overhead: bool) -> dict[str, JobOutcome]:
         config = SimulationConfig(
@@ -114,15 +115,16 @@ def test_overhead_delays_finishes_by_the_hand_computed_seconds(
         return {o.job_id: o for o in simulate_trace(jobs, series, profiles, config).outcomes}
 
     before, after = run(False), run(True)
-    # Off (unchanged): a's one count change at 120 s costs the 30 s switch; b runs 30 s from 120 s.
-    assert before["a"].finish_s == pytest.approx(120 + 30 + (6000 - 1200) / 18)
+    # Off (unchanged): a's one count change at 60 s costs the 30 s switch; b runs 30 s from 120 s.
+    assert before["a"].finish_s == pytest.approx(60 + 30 + (6000 - 600) / 18)
     assert before["b"].finish_s == pytest.approx(150.0)
-    # On, 4 GPUs (< 256: base 2 s), events at 0 s (a arrives), 120 s (b) and 180 s (b done):
-    # 0 s: a new on rank 0 -> 2 + 2 = 4 s; 120 s: a (2 GPUs, ranks 0-1) new -> 2 + 4 = 6 s and
-    # b (rank 2) new -> 4 s; 180 s: a on ranks 0-1 again -> 2 s. No switch_s on top.
+    # On, 4 GPUs (< 256: base 2 s), events at 0 s (a arrives), 60 s (a's change), 120 s (b) and
+    # 180 s (b done): 0 s: a new on rank 0 -> 2 + 2 = 4 s; 60 s: a (2 GPUs, ranks 0-1) new ->
+    # 2 + 4 = 6 s; 120 s: a on ranks 0-1 again -> 2 s, b (rank 2) new -> 4 s; 180 s: a -> 2 s.
+    # No switch_s on top.
     assert after["b"].finish_s == pytest.approx(120 + 4 + 30)
-    lost_iterations = 4 * 10 + (6 + 2) * 18
-    assert after["a"].finish_s == pytest.approx(120 + (6000 - 1200 + lost_iterations) / 18)
+    lost_iterations = 4 * 10 + (6 + 2 + 2) * 18
+    assert after["a"].finish_s == pytest.approx(60 + (6000 - 600 + lost_iterations) / 18)
     # The change is still counted, only not charged twice.
     assert after["a"].gpu_changes == before["a"].gpu_changes == 1
 
