@@ -127,18 +127,35 @@ def job_body(deadline: datetime | None = None, samples: int = 10**12) -> dict[st
     return body
 
 
-async def submit_many(base_url: str, token: str, count: int, concurrency: int = 16) -> None:
-    """Submit `count` jobs, `concurrency` at a time."""
+# Tries per submission whose connection drops: the same body again (its submission_id makes the
+# retry idempotent: a job the server stored already is answered 200, not stored twice).
+SUBMIT_TRIES = 5
+
+
+async def submit_many(base_url: str, token: str, count: int, concurrency: int = 16) -> int:
+    """Submit `count` jobs, `concurrency` at a time; how many requests lost their connection and
+    were sent again (a dropped keep-alive connection ended two whole runs at load 12)."""
     headers = {"Authorization": f"Bearer {token}"}
     queue = iter(range(count))
+    dropped = 0
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
 
         async def worker() -> None:
+            nonlocal dropped
             for _ in queue:
-                response = await client.post("/v1/jobs", json=job_body(), headers=headers)
+                body = job_body()
+                for attempt in range(SUBMIT_TRIES):
+                    try:
+                        response = await client.post("/v1/jobs", json=body, headers=headers)
+                        break
+                    except httpx.TransportError:
+                        dropped += 1
+                        if attempt == SUBMIT_TRIES - 1:
+                            raise
                 response.raise_for_status()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return dropped
 
 
 async def read_while(
@@ -182,9 +199,10 @@ async def woken_tick(
     while True:
         try:
             now = metrics(base_url)
-        except httpx.TimeoutException:
-            # A big tick can hold the GIL for longer than one scrape waits: ask again.
-            continue
+        except httpx.TransportError:
+            # A big tick can hold the GIL for longer than one scrape waits, or a kept-alive
+            # connection drop: ask again (within the deadline).
+            now = {}
         # A tick that began before the last submissions were stored plans fewer jobs: wait for
         # one that planned them all.
         if (
@@ -303,7 +321,7 @@ def run_case(args: argparse.Namespace, jobs: int, nodes: int, gpus: int) -> dict
                 try:
                     wait_nodes(base_url, operator, nodes, args.register_timeout_s)
                     began = time.perf_counter()
-                    asyncio.run(submit_many(base_url, user, jobs))
+                    submit_dropped = asyncio.run(submit_many(base_url, user, jobs))
                     submit_s = time.perf_counter() - began
                     ticks = [
                         asyncio.run(
@@ -368,6 +386,7 @@ def run_case(args: argparse.Namespace, jobs: int, nodes: int, gpus: int) -> dict
             "api_p99_ms": last["api_p99_ms"],
             "jobs_planned": last["jobs_planned"],
             "submit_s": round(submit_s, 2),
+            "submit_dropped": submit_dropped,
             "ticks": ticks,
         },
         "admission": admission,

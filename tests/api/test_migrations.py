@@ -153,3 +153,31 @@ def test_plans_stored_before_plan_jobs_get_their_rows(database_url: str) -> None
         (2, [1, 1, 1, 1], "too little time"),
         (7, [], "no GPUs"),
     ]
+
+
+def test_telemetry_charged_so_far_is_marked_by_the_upgrade(database_url: str) -> None:
+    _seed(database_url)  # sample s1, which no ledger entry names
+    migrate.downgrade(database_url, "d5f7a9b1c3e4")  # to before telemetry_samples.charged
+    engine = make_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO telemetry_samples (sample_id, job_id, node_id, at, interval_s, step,"
+                " samples_done, samples_per_s, gpus, power_w, energy_kwh, power_source)"
+                " SELECT 's2', job_id, node_id, at, interval_s, 2, 16, 1.6, 1, 100, 0.0001,"
+                " 'estimated' FROM telemetry_samples WHERE sample_id = 's1'"
+            )
+        )
+        conn.execute(
+            text(
+                "UPDATE ledger_entries SET telemetry_sample_id ="
+                " (SELECT id FROM telemetry_samples WHERE sample_id = 's2')"
+            )
+        )
+    migrate.upgrade(database_url)
+    with engine.connect() as conn:
+        flags: dict[str, object] = dict(
+            conn.execute(text("SELECT sample_id, charged FROM telemetry_samples")).all()
+        )
+    engine.dispose()
+    assert {k: bool(v) for k, v in flags.items()} == {"s1": False, "s2": True}
