@@ -10,7 +10,9 @@ job known, `--ticks` times; each such tick's figures come from the loop's metric
 While that tick runs a reader lists jobs (`GET /v1/jobs?limit=50`, 4 in flight, or
 `--reader-concurrency`): `api_p99_ms`. `snapshot_cpu_s`, `models_cpu_s` and `write_cpu_s`
 are the tick thread's own CPU in those phases: the rest of their time it waited (the database,
-the GIL shared with the API's requests, other processes on the CPU).
+the GIL shared with the API's requests, other processes on the CPU). `refits_s` is the tick's
+wait, at its start, for the model refits the tick before it started beside its solve, and
+`refits_cpu_s` those refits' CPU in their own thread.
 `command_rtt_s` is the median, over the case's acknowledged commands, of acknowledged minus
 written (the plan's write to the agent's answer being recorded).
 
@@ -219,7 +221,7 @@ async def woken_tick(
     latencies, dropped = await reader
     phase = {
         name: now.get(f'{LOOP}_last_tick_phase_seconds{{phase="{name}"}}')
-        for name in ("snapshot", "models", "solve", "write", "dispatch")
+        for name in ("refits", "snapshot", "models", "solve", "write", "dispatch")
     }
     # The tick thread's own CPU in the phases it runs in Python: the rest of their wall time
     # it waited (the database, the GIL shared with the API's requests, other processes).
@@ -227,6 +229,8 @@ async def woken_tick(
         name: now.get(f'{LOOP}_last_tick_phase_cpu_seconds{{phase="{name}"}}')
         for name in ("snapshot", "models", "write")
     }
+    # The refit thread's CPU for the refits the tick waited for (they ran beside the last solve).
+    cpu["refits"] = now.get(f'{LOOP}_last_tick_phase_cpu_seconds{{phase="refits"}}')
     return {
         "tick_s": now[f"{LOOP}_last_tick_duration_seconds"],
         "jobs_planned": int(now[f"{LOOP}_last_tick_jobs_planned"]),
@@ -371,6 +375,8 @@ def run_case(args: argparse.Namespace, jobs: int, nodes: int, gpus: int) -> dict
             **{
                 key: None if last[key] is None else round(last[key], 3)
                 for key in (
+                    "refits_s",
+                    "refits_cpu_s",
                     "snapshot_s",
                     "snapshot_cpu_s",
                     "models_s",
