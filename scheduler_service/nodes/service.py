@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -21,6 +22,8 @@ from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobSta
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.nodes.secrets import NodeSecrets
 from worker_agent.protocol import Heartbeat, HeartbeatAck, NodeRegistration, RunningJob
+
+log = logging.getLogger("greenflow.nodes")
 
 
 @dataclass(frozen=True)
@@ -330,6 +333,14 @@ def mark_lost_nodes(
     now = now or utcnow()
     lost = NodeRepository(session).stale_ready_nodes(now - timedelta(seconds=timeout_s))
     for node in lost:
+        # Logged: at load a node whose heartbeats came late flapped lost and re-registered, and
+        # nothing in the server's log said so (only its jobs' events).
+        log.warning(
+            "node %s lost: no heartbeat for %.0f s (last at %s)",
+            node.name,
+            timeout_s,
+            node.last_heartbeat_at.isoformat() if node.last_heartbeat_at else "never",
+        )
         node.state = "lost"
         requeue_jobs_of_node(
             session, node, reason=f"node {node.name} lost (no heartbeat for {timeout_s:.0f} s)"
