@@ -10,7 +10,9 @@ job known, `--ticks` times; each such tick's figures come from the loop's metric
 While that tick runs a reader lists jobs (`GET /v1/jobs?limit=50`, 4 in flight, or
 `--reader-concurrency`): `api_p99_ms`. `snapshot_cpu_s`, `models_cpu_s` and `write_cpu_s`
 are the tick thread's own CPU in those phases: the rest of their time it waited (the database,
-the GIL shared with the API's requests, other processes on the CPU).
+the GIL shared with the API's requests, other processes on the CPU). `refits_s` is the tick's
+wait, at its start, for the model refits the tick before it started beside its solve, and
+`refits_cpu_s` those refits' CPU in their own thread.
 `command_rtt_s` is the median, over the case's acknowledged commands, of acknowledged minus
 written (the plan's write to the agent's answer being recorded).
 
@@ -127,18 +129,35 @@ def job_body(deadline: datetime | None = None, samples: int = 10**12) -> dict[st
     return body
 
 
-async def submit_many(base_url: str, token: str, count: int, concurrency: int = 16) -> None:
-    """Submit `count` jobs, `concurrency` at a time."""
+# Tries per submission whose connection drops: the same body again (its submission_id makes the
+# retry idempotent: a job the server stored already is answered 200, not stored twice).
+SUBMIT_TRIES = 5
+
+
+async def submit_many(base_url: str, token: str, count: int, concurrency: int = 16) -> int:
+    """Submit `count` jobs, `concurrency` at a time; how many requests lost their connection and
+    were sent again (a dropped keep-alive connection ended two whole runs at load 12)."""
     headers = {"Authorization": f"Bearer {token}"}
     queue = iter(range(count))
+    dropped = 0
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
 
         async def worker() -> None:
+            nonlocal dropped
             for _ in queue:
-                response = await client.post("/v1/jobs", json=job_body(), headers=headers)
+                body = job_body()
+                for attempt in range(SUBMIT_TRIES):
+                    try:
+                        response = await client.post("/v1/jobs", json=body, headers=headers)
+                        break
+                    except httpx.TransportError:
+                        dropped += 1
+                        if attempt == SUBMIT_TRIES - 1:
+                            raise
                 response.raise_for_status()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return dropped
 
 
 async def read_while(
@@ -182,9 +201,10 @@ async def woken_tick(
     while True:
         try:
             now = metrics(base_url)
-        except httpx.TimeoutException:
-            # A big tick can hold the GIL for longer than one scrape waits: ask again.
-            continue
+        except httpx.TransportError:
+            # A big tick can hold the GIL for longer than one scrape waits, or a kept-alive
+            # connection drop: ask again (within the deadline).
+            now = {}
         # A tick that began before the last submissions were stored plans fewer jobs: wait for
         # one that planned them all.
         if (
@@ -201,7 +221,7 @@ async def woken_tick(
     latencies, dropped = await reader
     phase = {
         name: now.get(f'{LOOP}_last_tick_phase_seconds{{phase="{name}"}}')
-        for name in ("snapshot", "models", "solve", "write", "dispatch")
+        for name in ("refits", "snapshot", "models", "solve", "write", "dispatch")
     }
     # The tick thread's own CPU in the phases it runs in Python: the rest of their wall time
     # it waited (the database, the GIL shared with the API's requests, other processes).
@@ -209,6 +229,8 @@ async def woken_tick(
         name: now.get(f'{LOOP}_last_tick_phase_cpu_seconds{{phase="{name}"}}')
         for name in ("snapshot", "models", "write")
     }
+    # The refit thread's CPU for the refits the tick waited for (they ran beside the last solve).
+    cpu["refits"] = now.get(f'{LOOP}_last_tick_phase_cpu_seconds{{phase="refits"}}')
     return {
         "tick_s": now[f"{LOOP}_last_tick_duration_seconds"],
         "jobs_planned": int(now[f"{LOOP}_last_tick_jobs_planned"]),
@@ -303,7 +325,7 @@ def run_case(args: argparse.Namespace, jobs: int, nodes: int, gpus: int) -> dict
                 try:
                     wait_nodes(base_url, operator, nodes, args.register_timeout_s)
                     began = time.perf_counter()
-                    asyncio.run(submit_many(base_url, user, jobs))
+                    submit_dropped = asyncio.run(submit_many(base_url, user, jobs))
                     submit_s = time.perf_counter() - began
                     ticks = [
                         asyncio.run(
@@ -353,6 +375,8 @@ def run_case(args: argparse.Namespace, jobs: int, nodes: int, gpus: int) -> dict
             **{
                 key: None if last[key] is None else round(last[key], 3)
                 for key in (
+                    "refits_s",
+                    "refits_cpu_s",
                     "snapshot_s",
                     "snapshot_cpu_s",
                     "models_s",
@@ -368,6 +392,7 @@ def run_case(args: argparse.Namespace, jobs: int, nodes: int, gpus: int) -> dict
             "api_p99_ms": last["api_p99_ms"],
             "jobs_planned": last["jobs_planned"],
             "submit_s": round(submit_s, 2),
+            "submit_dropped": submit_dropped,
             "ticks": ticks,
         },
         "admission": admission,

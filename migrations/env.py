@@ -7,6 +7,7 @@ from typing import Literal
 
 from alembic import context
 from alembic.autogenerate.api import AutogenContext
+from sqlalchemy.engine import Connection
 
 from scheduler_service.db import models  # noqa: F401  (registers the tables)
 from scheduler_service.db.base import Base, UTCDateTime
@@ -53,8 +54,29 @@ def run_migrations_online() -> None:
         return
     engine = make_engine(url)
     with engine.connect() as conn:
-        _run(conn, url)
+        if url.startswith("sqlite"):
+            _run_sqlite(conn, url)
+        else:
+            _run(conn, url)
     engine.dispose()
+
+
+def _run_sqlite(connection: Connection, url: str) -> None:
+    """Migrate with foreign keys off, then check them: SQLite's batch operations rebuild a table
+    (copy, drop, rename), and with foreign keys on, dropping the old table fired the children's
+    ON DELETE CASCADE / SET NULL (a downgrade through a `nodes` rebuild emptied gpu_slots)."""
+    # Outside any transaction: SQLite ignores this pragma inside one.
+    connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+    connection.commit()  # end SQLAlchemy's autobegun transaction: the migration opens its own
+    try:
+        _run(connection, url)
+        broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+        if broken:
+            raise RuntimeError(f"the migration left rows with broken foreign keys: {broken[:5]}")
+    finally:
+        connection.rollback()
+        connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+        connection.commit()
 
 
 def _run(connection: object, url: str) -> None:

@@ -8,6 +8,7 @@ import importlib
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -86,8 +87,9 @@ class TickReport:
     # CPU seconds of the solve (its wall time is phases_s["solve"]); None: nothing solved.
     solve_cpu_s: float | None = None
     finished_at: datetime | None = None
-    # Seconds per phase: snapshot (transaction one), solve (no transaction), write (transaction
-    # two), dispatch (read the commands, push them, record the acknowledgements).
+    # Seconds per phase: refits (waiting for the last tick's refits, which ran beside its
+    # solve), snapshot (transaction one), models (the problem), solve (no transaction), write
+    # (transaction two), dispatch (read the commands, push them, record the acknowledgements).
     phases_s: dict[str, float] = field(default_factory=dict)
     # CPU seconds of the tick's own thread in the snapshot, models and write phases: the rest of
     # each phase's wall time it waited (the database, the GIL shared with the API's requests,
@@ -127,10 +129,16 @@ class ControlLoop:
         # A solve of seconds in a thread of this process shares the GIL with the API: the two
         # slowed each other (1,000 jobs: a 5 s limit took 8.5 s, API p99 0.3 s).
         self.solver = SolverProcess(self.policy_name) if solver_process else None
+        # Refits run in their own thread beside the solve (deferred): a tick plans with each
+        # job's model as it stood (a just-started job's shared prior) and the next tick with
+        # the refits; they are finished before the next snapshot reads telemetry into them.
         self.models = JobModels(
             refit_interval_s=config.planner.model_refit_interval_s,
             max_refits=config.planner.model_refits_per_tick,
+            deferred=True,
         )
+        self._refit_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="greenflow-refit")
+        self._refitting: Future[float] | None = None
         self.previous: AllocationPlan | None = None
         self.agents = AgentClient(max_connections=DELIVERIES_IN_FLIGHT)
         self._sends = asyncio.Semaphore(DELIVERIES_IN_FLIGHT)
@@ -330,6 +338,8 @@ class ControlLoop:
         await self.carbon.aclose()
         if self.solver is not None:
             self.solver.close()
+        # A refit in progress ends on its own (at most a tick's worth); none is started after.
+        self._refit_pool.shutdown(wait=False, cancel_futures=True)
         self.leader.release()
 
     async def tick(self) -> TickReport:
@@ -428,13 +438,23 @@ class ControlLoop:
         # loop plans again from a new snapshot.
         phases_s = {} if phases_s is None else phases_s
         phases_cpu_s = {} if phases_cpu_s is None else phases_cpu_s
+        # The last tick's refits end before this snapshot reads new telemetry into the models
+        # (nearly always long done: they ran beside that tick's solve).
+        began_s = time.monotonic()
+        refit_cpu_s = self._finish_refits()
+        phases_s["refits"] = time.monotonic() - began_s
+        if refit_cpu_s is not None:
+            phases_cpu_s["refits"] = refit_cpu_s
         began_s, began_cpu_s = time.monotonic(), time.thread_time()
         rows, period = self._read_snapshot(forecast, now)
         phases_s["snapshot"] = time.monotonic() - began_s
         phases_cpu_s["snapshot"] = time.thread_time() - began_cpu_s
         began_s, began_cpu_s = time.monotonic(), time.thread_time()
-        # Refits and the problem, after the transaction: CPU work holds no lock.
+        # The problem, after the transaction: CPU work holds no lock. The refits it leaves due
+        # start now, beside the solve (the solver's worker process, or the GIL between them).
         planning = assemble_snapshot(rows, self.config, forecast, self.models)
+        if self.models.due:
+            self._refitting = self._refit_pool.submit(self._run_refits)
         phases_s["models"] = time.monotonic() - began_s
         phases_cpu_s["models"] = time.thread_time() - began_cpu_s
         began_s = time.monotonic()
@@ -459,6 +479,24 @@ class ControlLoop:
         if plan is not None:
             self.previous = plan
         return len(planning.problem.jobs), plan
+
+    def _run_refits(self) -> float:
+        """In the refit thread: the refits the last snapshot left due; their CPU seconds."""
+        began_s = time.thread_time()
+        self.models.refit_due()
+        return time.thread_time() - began_s
+
+    def _finish_refits(self) -> float | None:
+        """Wait for the refits started by the last tick; their CPU seconds (None: none ran). A
+        refit that failed is logged, and its job keeps the model it had."""
+        refitting, self._refitting = self._refitting, None
+        if refitting is None:
+            return None
+        try:
+            return refitting.result()
+        except Exception:
+            log.exception("refitting the job models failed; the jobs keep their models")
+            return None
 
     def _solve(self, problem: AllocationProblem) -> tuple[AllocationPlan, float]:
         """The policy's plan, and the CPU seconds of the solve (by the worker's clock, or this

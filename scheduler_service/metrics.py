@@ -108,8 +108,9 @@ class ControlLoopCollector(Collector):
         if report.phases_s:
             phases = GaugeMetricFamily(
                 f"{prefix}_last_tick_phase_seconds",
-                "Seconds the last completed tick spent per phase (snapshot: read transaction; models: "
-                "refits and the problem; solve: the policy; write: plan and commands; dispatch: push)",
+                "Seconds the last completed tick spent per phase (refits: waiting for the model "
+                "refits the tick before started beside its solve; snapshot: read transaction; "
+                "models: the problem; solve: the policy; write: plan and commands; dispatch: push)",
                 labels=["phase"],
             )
             for name, seconds in report.phases_s.items():
@@ -120,7 +121,8 @@ class ControlLoopCollector(Collector):
                 f"{prefix}_last_tick_phase_cpu_seconds",
                 "CPU seconds of the tick's own thread per phase of the last completed tick "
                 "(snapshot, models, write): the rest of the phase's time it waited for the "
-                "database, the GIL it shares with the API, or a busy CPU",
+                "database, the GIL it shares with the API, or a busy CPU; refits: the refit "
+                "thread's CPU for the refits the tick waited for",
                 labels=["phase"],
             )
             for name, seconds in report.phases_cpu_s.items():

@@ -71,6 +71,11 @@ class JobModels:
 
     refit_interval_s: float = 0.0
     max_refits: int | None = None
+    # Deferred: `fitted` refits nothing and returns each job's current model; the refits due
+    # are left to `refit_due`, which the control loop runs beside the solve (first fits of
+    # hundreds of just-started jobs were most of a 1,000-job tick's work outside the solve).
+    deferred: bool = False
+    due: list[int] = field(default_factory=list)
     fitters: dict[int, JobModelFitter] = field(default_factory=dict)
     last_sample_id: dict[int, int] = field(default_factory=dict)
     # Every sample with an id up to this one was read for the jobs that had a model then.
@@ -136,11 +141,27 @@ class JobModels:
             ),
             key=lambda job_id: self.refit_at_s.get(job_id, -math.inf),
         )
-        for job_id in due[: self.max_refits]:
-            self.fitters[job_id].update(self.waiting.pop(job_id))
+        if self.deferred:
+            self.due = due[: self.max_refits]
+        else:
+            self._refit(due[: self.max_refits], now_s)
+        return {job_id: self.fitters[job_id].model for job_id in ids}
+
+    def refit_due(self) -> int:
+        """Run the refits the last `fitted` left due (deferred); how many ran. Not concurrently
+        with `refresh`, `fitted` or `forget`: the caller finishes it before the next snapshot."""
+        due, self.due = self.due, []
+        self._refit(due, time.monotonic())
+        return len(due)
+
+    def _refit(self, job_ids: list[int], now_s: float) -> None:
+        for job_id in job_ids:
+            waiting = self.waiting.pop(job_id, None)
+            if not waiting:
+                continue
+            self.fitters[job_id].update(waiting)
             self.refits += 1
             self.refit_at_s[job_id] = now_s
-        return {job_id: self.fitters[job_id].model for job_id in ids}
 
     def forget(self, keep_job_ids: set[int]) -> None:
         """Drop models of jobs no longer planned."""

@@ -155,7 +155,8 @@ def charge_new_telemetry(session: Session, config: GreenflowConfig) -> ChargedTe
     Busy GPUs are charged from their job's own telemetry; idle GPUs and the host from the
     nodes' power samples, attributed to the jobs on the node by GPU share (`attribution_shares`)
     and kept as component "idle"/"host" entries, so the cluster's overhead is always visible."""
-    samples = TelemetryRepository(session).uncharged()
+    telemetry = TelemetryRepository(session)
+    samples = telemetry.uncharged()
     node_samples = NodePowerRepository(session).uncharged()
     ledger = LedgerRepository(session)
     pue = config.cluster.pue
@@ -207,6 +208,7 @@ def charge_new_telemetry(session: Session, config: GreenflowConfig) -> ChargedTe
         if key not in newest_node or node_sample.at > newest_node[key][0]:
             newest_node[key] = (node_sample.at, node_kg / node_sample.interval_s)
     ledger.insert_staged()
+    telemetry.mark_charged([s.id for s in samples])
     session.flush()
     return ChargedTelemetry(
         samples=len(samples) + len(node_samples),

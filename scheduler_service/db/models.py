@@ -244,7 +244,17 @@ class TelemetrySample(Base):
     """What an agent measured for a job over one reporting interval."""
 
     __tablename__ = "telemetry_samples"
-    __table_args__ = (Index("ix_telemetry_samples_job_at", "job_id", "at"),)
+    __table_args__ = (
+        Index("ix_telemetry_samples_job_at", "job_id", "at"),
+        # Only the samples the ledger has still to charge: it stays as small as the backlog,
+        # however long the history (the charge used to test every sample against the ledger).
+        Index(
+            "ix_telemetry_samples_uncharged",
+            "id",
+            sqlite_where=text("charged = 0 AND energy_kwh > 0"),
+            postgresql_where=text("NOT charged AND energy_kwh > 0"),
+        ),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     # Agent-chosen id: a retried report is stored once.
@@ -262,6 +272,8 @@ class TelemetrySample(Base):
     power_w: Mapped[float]
     energy_kwh: Mapped[float]
     power_source: Mapped[str] = mapped_column(String(16))
+    # Set once the ledger has charged the sample's energy (`charge_new_telemetry`).
+    charged: Mapped[bool] = mapped_column(default=False, server_default=text("false"))
 
 
 class CarbonIntensitySample(Base):

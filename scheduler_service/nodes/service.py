@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -20,6 +22,8 @@ from scheduler_service.jobs.states import ACTIVE_STATES, TERMINAL_STATES, JobSta
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.nodes.secrets import NodeSecrets
 from worker_agent.protocol import Heartbeat, HeartbeatAck, NodeRegistration, RunningJob
+
+log = logging.getLogger("greenflow.nodes")
 
 
 @dataclass(frozen=True)
@@ -112,19 +116,58 @@ def revoke_node(session: Session, name: str) -> int:
 
 def requeue_jobs_of_node(session: Session, node: Node, *, reason: str) -> list[int]:
     """Free a node's slots and send its running jobs back to the queue with an event; a job
-    across nodes frees its slots on the others too (it runs nowhere until the next plan)."""
+    across nodes frees its slots on the others too (it runs nowhere until the next plan), and
+    its event says whether its runner was on the node and which other GPUs it gave up."""
     repo = NodeRepository(session)
     job_ids = repo.release_node(node.id)
+    if not job_ids:
+        return job_ids
+    # What they hold elsewhere (this node's slots are free now), and where their runners are.
+    elsewhere = repo.slots_of_jobs(job_ids)
+    runners = {
+        j: a.node_id
+        for j, a in AllocationRepository(session).newest_by_job(job_ids).items()
+        if a.node_id is not None
+    }
+    other_ids = {s.node_id for slots in elsewhere.values() for s in slots} | set(runners.values())
+    names = {n.id: n.name for n in repo.get_many(sorted(other_ids)).values()}
     jobs = JobRepository(session)
     for job_id in job_ids:
         job = jobs.get(job_id)
         if job is None or JobState(job.state) in TERMINAL_STATES:
             continue
+        freed: dict[str, list[int]] = {}
+        for slot in elsewhere.get(job_id, []):
+            freed.setdefault(names.get(slot.node_id, str(slot.node_id)), []).append(slot.index)
+        runner = runners.get(job_id)
+        details = {
+            "node": node.name,
+            "runner_lost": runner == node.id,
+            "runner_node": names.get(runner, node.name) if runner is not None else None,
+            "freed": freed,
+        }
         # Left holding its other nodes' slots, a re-queued job was placed there as it sat, so
         # the plan sent it no command: it stayed queued on them for good.
         repo.release_job(job_id)
-        _requeue(jobs, job, reason)
+        _requeue(jobs, job, reason + _spanning_note(details), details)
     return job_ids
+
+
+def _spanning_note(details: dict[str, Any]) -> str:
+    """What a job across nodes lost with the node and gave up elsewhere (empty inside one)."""
+    freed: dict[str, list[int]] = details["freed"]
+    if not freed:
+        return ""
+    where = ", ".join(f"{len(ix)} on node {name}" for name, ix in freed.items())
+    if details["runner_lost"]:
+        return (
+            f"; its runner (and rendezvous store) was there: its GPUs elsewhere ({where}) are "
+            "freed and it is placed again (its start says from which checkpoint)"
+        )
+    return (
+        f"; its part there is lost: its GPUs elsewhere ({where}; its runner on node "
+        f"{details['runner_node']}) are freed too"
+    )
 
 
 def _requeue_job(session: Session, job_id: int, reason: str) -> None:
@@ -179,13 +222,15 @@ def _fail_job(session: Session, job: Job, reason: str) -> None:
     JobRepository(session).add_event(transition(job, JobState.FAILED, reason=reason[:2000]))
 
 
-def _requeue(jobs: JobRepository, job: Job, reason: str) -> None:
+def _requeue(
+    jobs: JobRepository, job: Job, reason: str, details: dict[str, Any] | None = None
+) -> None:
     job.current_gpus = 0
     job.current_layout = None
     if JobState(job.state) in ACTIVE_STATES:
-        jobs.add_event(transition(job, JobState.QUEUED, reason=reason))
+        jobs.add_event(transition(job, JobState.QUEUED, reason=reason, details=details))
     else:
-        jobs.add_event(JobEvent(job_id=job.id, kind="requeue", reason=reason))
+        jobs.add_event(JobEvent(job_id=job.id, kind="requeue", reason=reason, details=details))
 
 
 def heartbeat(
@@ -288,6 +333,14 @@ def mark_lost_nodes(
     now = now or utcnow()
     lost = NodeRepository(session).stale_ready_nodes(now - timedelta(seconds=timeout_s))
     for node in lost:
+        # Logged: at load a node whose heartbeats came late flapped lost and re-registered, and
+        # nothing in the server's log said so (only its jobs' events).
+        log.warning(
+            "node %s lost: no heartbeat for %.0f s (last at %s)",
+            node.name,
+            timeout_s,
+            node.last_heartbeat_at.isoformat() if node.last_heartbeat_at else "never",
+        )
         node.state = "lost"
         requeue_jobs_of_node(
             session, node, reason=f"node {node.name} lost (no heartbeat for {timeout_s:.0f} s)"

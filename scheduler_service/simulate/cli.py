@@ -381,6 +381,17 @@ def simulate(
     time_limit_s: Annotated[
         float, typer.Option("--time-limit-s", help="Solver time limit per tick (s).")
     ] = 2.0,
+    replan: Annotated[
+        str,
+        typer.Option(
+            "--replan",
+            help=(
+                "every-step: solve at every step. on-change: a step with no arrival, completion"
+                " or budget keeps the plan in force one slot on while it keeps its deadlines and"
+                " projected finishes (fewer solves; figures may differ slightly)."
+            ),
+        ),
+    ] = "every-step",
     seed: Annotated[
         int, typer.Option("--seed", help="Seed for the solver and the error models.")
     ] = 0,
@@ -398,6 +409,8 @@ def simulate(
         raise typer.BadParameter("must be flat or measured", param_hint="--switch-cost")
     if forecast_noise not in ("flat", "measured"):
         raise typer.BadParameter("must be flat or measured", param_hint="--forecast-noise")
+    if replan not in ("every-step", "on-change"):
+        raise typer.BadParameter("must be every-step or on-change", param_hint="--replan")
     if elasticflow_overhead and not elasticflow_events:
         raise typer.BadParameter(
             "needs --elasticflow-events: ElasticFlow charges its overhead once per merged"
@@ -458,6 +471,7 @@ def simulate(
             placement_moves_running=not no_placement_moves_running,
             time_limit_s=time_limit_s,
             seed=seed,
+            replan=cast(Literal["every-step", "on-change"], replan),
         )
     except (TraceError, SimulationError, FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -60,6 +60,7 @@ from scheduler_service.placement import (
     lost_once_placed,
 )
 from scheduler_service.settings import ClusterConfig, PlannerConfig, default_budget_check_s
+from scheduler_service.simulate.carry import carried_plan
 from scheduler_service.simulate.switch_cost import SwitchCostModel, model_params
 from scheduler_service.simulate.trace import JobTables, TraceJob, job_tables
 from scheduler_service.simulate.watchdog import RealisticWatchdog
@@ -178,6 +179,10 @@ class SimulationConfig:
     # With "nodes" and `placement_moves`: False moves only jobs holding no slots (queued, paused),
     # the live service's rule before its two-step move of running jobs.
     placement_moves_running: bool = True
+    # "every-step": the policy solves at every step. "on-change": a step that ended at its
+    # slot's end with no arrival or completion, and no budget, keeps the plan in force one slot
+    # on while it keeps its course (`carry.carried_plan`), else solves.
+    replan: Literal["every-step", "on-change"] = "every-step"
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -400,6 +405,8 @@ class SimulationReport:
     placement_lowered_jobs: int = 0
     admitted_missed_lowered: int = 0
     jobs_spanning_nodes: int = 0
+    # Steps that kept the plan in force one slot on instead of solving (replan "on-change").
+    plans_carried: int = 0
     outcomes: list[JobOutcome] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, float | int | str | dict[str, float] | None]:
@@ -652,6 +659,7 @@ def simulate_trace(
     active: list[str] = []
     previous: AllocationPlan | None = None
     solver_times: list[float] = []
+    plans_carried = 0
     busy_gpu_s = 0.0
     now = start_s
     ticks = 0
@@ -759,11 +767,18 @@ def simulate_trace(
             previous = None
             continue
         problem = _problem(config, clock, states, active, now, periods, spent_kg)
-        began = time.perf_counter()
-        plan = policy(
-            problem, previous=previous, time_limit_s=config.time_limit_s, seed=config.seed
-        )
-        solver_times.append(time.perf_counter() - began)
+        carried = None
+        if config.replan == "on-change" and not ef_event and not periods:
+            carried = carried_plan(problem, previous)
+        if carried is None:
+            began = time.perf_counter()
+            plan = policy(
+                problem, previous=previous, time_limit_s=config.time_limit_s, seed=config.seed
+            )
+            solver_times.append(time.perf_counter() - began)
+        else:
+            plan = carried
+            plans_carried += 1
         previous = plan
         ticks += 1
         used = sum(plan.gpus[j][0] for j in active)
@@ -883,7 +898,7 @@ def simulate_trace(
             progress(min(1.0, (now - start_s) / run_span_s))
     if progress is not None:
         progress(1.0)
-    return _report(
+    report = _report(
         config,
         jobs,
         states,
@@ -898,6 +913,7 @@ def simulate_trace(
         max(now, last_activity_s),
         budget_cuts if watchdog is None else watchdog.wakes,
     )
+    return replace(report, plans_carried=plans_carried)
 
 
 def run_budget_periods(

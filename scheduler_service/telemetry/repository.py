@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, literal_column, select, update
 from sqlalchemy.orm import InstrumentedAttribute, Session, selectinload
 
 from scheduler_service.db.ids import ids_in
 from scheduler_service.db.models import (
     Allocation,
     GpuSlot,
-    LedgerEntry,
     NodePowerReading,
     NodePowerSampleRow,
     TelemetrySample,
@@ -24,6 +23,19 @@ def _stored_ids(session: Session, column: InstrumentedAttribute[str], ids: list[
     if not ids:
         return set()
     return set(session.scalars(select(column).where(column.in_(ids))))
+
+
+def uncharged_query(limit: int) -> Select[TelemetrySample]:
+    """The oldest `limit` samples with energy the ledger has not charged yet."""
+    # The predicate is the partial index's (ix_telemetry_samples_uncharged): the read costs the
+    # backlog, not the history. SQLite uses a partial index only for the same terms written
+    # alike: `NOT charged` (its `charged = 0`) and a literal 0, not a bound parameter.
+    return (
+        select(TelemetrySample)
+        .where(~TelemetrySample.charged, TelemetrySample.energy_kwh > literal_column("0"))
+        .order_by(TelemetrySample.id)
+        .limit(limit)
+    )
 
 
 class TelemetryRepository:
@@ -108,17 +120,19 @@ class TelemetryRepository:
         return self.session.scalar(select(func.max(TelemetrySample.id))) or 0
 
     def uncharged(self, *, limit: int = 5000) -> list[TelemetrySample]:
-        """Samples with energy that no ledger entry has charged yet, oldest first."""
-        charged = select(LedgerEntry.telemetry_sample_id).where(
-            LedgerEntry.telemetry_sample_id.is_not(None)
+        """Samples with energy the ledger has not charged yet, oldest first."""
+        return list(self.session.scalars(uncharged_query(limit)))
+
+    def mark_charged(self, sample_ids: Sequence[int]) -> None:
+        """Mark these samples charged, in one statement (none for no ids)."""
+        if not sample_ids:
+            return
+        self.session.execute(
+            update(TelemetrySample)
+            .where(ids_in(TelemetrySample.id, sample_ids))
+            .values(charged=True)
+            .execution_options(synchronize_session=False)
         )
-        stmt = (
-            select(TelemetrySample)
-            .where(TelemetrySample.id.not_in(charged), TelemetrySample.energy_kwh > 0)
-            .order_by(TelemetrySample.id)
-            .limit(limit)
-        )
-        return list(self.session.scalars(stmt))
 
 
 class NodePowerRepository:

@@ -153,3 +153,58 @@ def test_plans_stored_before_plan_jobs_get_their_rows(database_url: str) -> None
         (2, [1, 1, 1, 1], "too little time"),
         (7, [], "no GPUs"),
     ]
+
+
+def test_telemetry_charged_so_far_is_marked_by_the_upgrade(database_url: str) -> None:
+    _seed(database_url)  # sample s1, which no ledger entry names
+    migrate.downgrade(database_url, "d5f7a9b1c3e4")  # to before telemetry_samples.charged
+    engine = make_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO telemetry_samples (sample_id, job_id, node_id, at, interval_s, step,"
+                " samples_done, samples_per_s, gpus, power_w, energy_kwh, power_source)"
+                " SELECT 's2', job_id, node_id, at, interval_s, 2, 16, 1.6, 1, 100, 0.0001,"
+                " 'estimated' FROM telemetry_samples WHERE sample_id = 's1'"
+            )
+        )
+        conn.execute(
+            text(
+                "UPDATE ledger_entries SET telemetry_sample_id ="
+                " (SELECT id FROM telemetry_samples WHERE sample_id = 's2')"
+            )
+        )
+    migrate.upgrade(database_url)
+    with engine.connect() as conn:
+        flags: dict[str, object] = dict(
+            conn.execute(text("SELECT sample_id, charged FROM telemetry_samples")).all()
+        )
+    engine.dispose()
+    assert {k: bool(v) for k, v in flags.items()} == {"s1": False, "s2": True}
+
+
+def _row_counts(database_url: str) -> dict[str, int]:
+    engine = make_engine(database_url)
+    with engine.connect() as conn:
+        counts = {
+            table: conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
+            for table in ("jobs", "nodes", "gpu_slots", "allocations", "job_events")
+        }
+        counts["telemetry_on_a_node"] = conn.execute(
+            text("SELECT count(*) FROM telemetry_samples WHERE node_id IS NOT NULL")
+        ).scalar_one()
+    engine.dispose()
+    return counts
+
+
+def test_downgrades_that_rebuild_a_parent_table_keep_its_childrens_rows(database_url: str) -> None:
+    # SQLite rebuilds a table for a batch drop_column (copy, drop, rename): with foreign keys
+    # on, dropping the old `nodes` fired ON DELETE CASCADE / SET NULL on gpu_slots, allocations
+    # and telemetry_samples. Migrations run with foreign keys off and checked afterwards.
+    _seed(database_url)
+    before = _row_counts(database_url)
+    assert before["gpu_slots"] == 1 and before["telemetry_on_a_node"] == 1
+    migrate.downgrade(database_url, "c4e6a8b0d2f3")  # below d5f7a9b1c3e4's nodes column
+    assert _row_counts(database_url) == before
+    migrate.upgrade(database_url)
+    assert _row_counts(database_url) == before

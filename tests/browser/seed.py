@@ -144,6 +144,7 @@ def _telemetry(
 
 def _charge(session: Session, samples: list[TelemetrySample]) -> None:
     for sample in samples:
+        sample.charged = True  # as the ledger's charge marks it
         intensity = intensity_at(sample.at)
         period = period_containing(sample.at, "day")
         session.add(

@@ -234,7 +234,34 @@ def node_lost_in_switch(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def move_off_runner_node(args: dict[str, Any]) -> dict[str, Any]:
+    """2 workers on A (dp=2) -> 2 on B (dp=2) -> back to A, the runner staying on A: every
+    worker leaves the runner's node and comes back, against an unswitched 1-worker run."""
+    with JobRunner(snapshot_policy="none") as ref:
+        ref.start(SPEC, 1, Layout())
+        ref_losses = [loss for _, loss in ref.train(3 * STEPS)]
+        ref_state = ref.gather_state()
+    home = [GpuSlot("a", 0), GpuSlot("a", 1)]
+    away = [GpuSlot("b", 0), GpuSlot("b", 1)]
+    out: dict[str, Any] = {"ref_losses": ref_losses}
+    with _runner(args, snapshot_policy="none") as run:
+        run.start(SPEC, home, Layout(dp=2))
+        losses = [loss for _, loss in run.train(STEPS)]
+        out["pids_start"] = _pids_by_slot(run)
+        there = run.resize(away, Layout(dp=2))
+        out["pids_away"] = _pids_by_slot(run)
+        losses += [loss for _, loss in run.train(STEPS)]
+        back = run.resize(home, Layout(dp=2))
+        out["pids_end"] = _pids_by_slot(run)
+        losses += [loss for _, loss in run.train(STEPS)]
+        out["step_end"] = run.step_progress().step
+        out["max_param_diff"] = _max_param_diff(run.gather_state(), ref_state)
+    out |= {"losses": losses, "there": _report(there), "back": _report(back)}
+    return out
+
+
 CASES = {
+    "move_off_runner_node": move_off_runner_node,
     "node_lost_in_switch": node_lost_in_switch,
     "grow_shrink": grow_shrink,
     "grow_three": grow_three,

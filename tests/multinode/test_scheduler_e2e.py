@@ -369,6 +369,11 @@ def test_a_spanning_job_whose_runner_node_dies_restarts_on_the_other_from_a_chec
     (lost,) = [e for e in events if "node h3a lost" in e["reason"]]
     assert lost["to_state"] == "QUEUED", lost
     assert f"no heartbeat for {RUNNER_LOST_TIMEOUT_S} s" in lost["reason"], lost
+    # It says what went with A: the job's runner; and which GPUs elsewhere were given up.
+    assert "its runner (and rendezvous store) was there" in lost["reason"], lost
+    assert lost["details"] == {
+        "node": "h3a", "runner_lost": True, "runner_node": "h3a", "freed": {"h3b": [0, 1]},
+    }  # fmt: skip
     restart = c.events(big, "allocation")[-1]["details"]
     # Resumed from a checkpoint written while it spanned, not from step 0; what it had trained
     # since is redone, and the event says how much.

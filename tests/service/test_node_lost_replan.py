@@ -21,7 +21,7 @@ from scheduler_service.db.session import make_engine, make_session_factory, tran
 from scheduler_service.jobs.states import JobState
 from scheduler_service.nodes.repository import NodeRepository
 from scheduler_service.nodes.secrets import NodeSecrets
-from scheduler_service.nodes.service import heartbeat
+from scheduler_service.nodes.service import heartbeat, mark_lost_nodes
 from tests.api.conftest import database_url, postgres_server  # noqa: F401
 from tests.service.test_budget_watchdog import _config
 from tests.support.fake_agent import FakeAgent, serving
@@ -153,13 +153,23 @@ def test_a_job_whose_runner_node_is_lost_restarts_on_its_surviving_node_in_the_s
                 row = session.get(Job, job_id)
                 assert row is not None
                 assert (row.state, row.current_gpus, row.step) == (JobState.RUNNING.value, 2, 100)
-                reasons = [
-                    e.reason
-                    for e in session.scalars(
+                events = list(
+                    session.scalars(
                         select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
                     )
-                ]
-                assert any("node a lost (no heartbeat for 30 s)" in r for r in reasons), reasons
+                )
+                reasons = [e.reason for e in events]
+                # The event says what the node took with it: the job's runner, and which of
+                # its GPUs elsewhere were freed.
+                (lost,) = [e for e in events if e.reason.startswith("node a lost")]
+                assert lost.reason == (
+                    "node a lost (no heartbeat for 30 s); its runner (and rendezvous store) was "
+                    "there: its GPUs elsewhere (2 on node b) are freed and it is placed again "
+                    "(its start says from which checkpoint)"
+                )
+                assert lost.details == {
+                    "node": "a", "runner_lost": True, "runner_node": "a", "freed": {"b": [0, 1]},
+                }  # fmt: skip
                 assert any("resumed from checkpoint at step100" in r for r in reasons), reasons
         finally:
             engine.dispose()
@@ -197,3 +207,42 @@ def _wide_job_on_a_and_b(
     )  # fmt: skip
     NodeRepository(session).assign_parts([(nodes["a"], [0, 1]), (nodes["b"], [0, 1])], job.id)
     return nodes, job.id
+
+
+def test_a_lost_member_node_frees_the_jobs_gpus_elsewhere_and_names_its_runner(
+    database_url: str,  # noqa: F811 (fixture)
+) -> None:
+    # b, the job's other node, times out while the job still holds slots there (its runner
+    # on a never reported going on alone): the job is re-queued, a's slots freed too, and the
+    # event says the part on b was lost and the runner was on a.
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+    secrets = NodeSecrets.generate()
+    now = datetime.now(UTC)
+    try:
+        with transaction(factory) as session:
+            _, job_id = _wide_job_on_a_and_b(
+                session,
+                {"a": ("http://127.0.0.1:9", now), "b": ("http://127.0.0.1:9", now - timedelta(seconds=60))},
+                secrets,
+                now,
+            )  # fmt: skip
+        with transaction(factory) as session:
+            lost = mark_lost_nodes(session, timeout_s=30.0, now=now)
+            assert [n.name for n in lost] == ["b"]
+        with transaction(factory) as session:
+            job = session.get(Job, job_id)
+            assert job is not None and job.state == JobState.QUEUED.value
+            assert list(session.scalars(select(GpuSlot).where(GpuSlot.job_id == job_id))) == []
+            event = session.scalars(
+                select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.to_state == "QUEUED")
+            ).one()
+            assert event.reason == (
+                "node b lost (no heartbeat for 30 s); its part there is lost: its GPUs elsewhere "
+                "(2 on node a; its runner on node a) are freed too"
+            )
+            assert event.details == {
+                "node": "b", "runner_lost": False, "runner_node": "a", "freed": {"a": [0, 1]},
+            }  # fmt: skip
+    finally:
+        engine.dispose()
