@@ -275,12 +275,14 @@ def test_the_scheduler_grows_a_job_onto_a_second_node_and_shrinks_it_back(
         120,
     )
     assert len(c.events(big, "allocation")) == 1
+    # With the urgent job done its 2 GPUs are free again, and its range (2-4) lets the next
+    # plan grow it back: a further hot switch, not a restart (a CI run caught it RESIZING).
     job = c.get(f"/v1/jobs/{big}")
-    assert job["state"] == "RUNNING" and job["current_gpus"] == 2
+    assert job["state"] in ("RUNNING", "RESIZING") and job["current_gpus"] >= 2
     # Its telemetry came from A (the runner's node), for all its GPUs while it spanned.
     samples = c.get(f"/v1/jobs/{big}/telemetry")
     assert {s["node_id"] for s in samples} == {node_a["id"]}
-    assert max(s["gpus"] for s in samples) == details["to_gpus"]
+    assert max(s["gpus"] for s in samples) >= details["to_gpus"]
     assert c.api.post(f"/v1/jobs/{big}/cancel").status_code == 200
 
 
