@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -139,15 +140,7 @@ def test_elasticflow_events_admit_an_arrival_batch_together_and_after_a_slot(
     # Admitted on arrival: done by its deadline, well before the 900 s slot ends.
     assert ours["later"].deadline_met and ours["later"].finish_s is not None
     assert ours["later"].finish_s < 900.0
-    ef = SimulationConfig(
-        "carbon-agnostic",
-        1,
-        4,
-        slot_s=900.0,
-        horizon_slots=8,
-        switch_s=0.0,
-        elasticflow_events=True,
-    )
+    ef = replace(base, elasticflow_events=True)
     theirs = {o.job_id: o for o in simulate_trace(jobs, series, profiles, ef).outcomes}
     assert not theirs["ok"].admitted and not theirs["hopeless"].admitted
     assert "arrival batch" in theirs["ok"].reject_reason
