@@ -24,13 +24,13 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from bench.netns import Network, network, unavailable
 from scheduler_service.auth.service import create_token
 from scheduler_service.auth.tokens import Role
 from scheduler_service.db import migrate
-from scheduler_service.db.models import Allocation, Plan
+from scheduler_service.db.models import Allocation
 from scheduler_service.db.session import make_engine, make_session_factory, transaction
 from tests.api.conftest import make_tokens
 from tests.e2e.test_end_to_end import write_hourly_trace
@@ -355,9 +355,17 @@ def test_a_spanning_job_whose_runner_node_dies_restarts_on_the_other_from_a_chec
     c.wait("a checkpoint since the grow", lambda: checkpointed_step() > details["step"], 120)
     assert c.net.kill_node("h3a")  # agent A, the runner and A's workers, SIGKILL
     killed_at = datetime.now(UTC)
-    c.set_gpu_range(big, 2, 4)  # what node B alone holds will do
     time.sleep(1)  # A's last telemetry, if any was on its way, is in
     samples_at_kill = c.get(f"/v1/jobs/{big}")["samples_done"]
+    # Only once A is found lost may the job run on what B alone holds: a range of 2-4 set at the
+    # kill let a tick in the 20 s before shrink it onto A, the dead runner's node (a CI run
+    # caught it RESIZING there, B's slots already given up).
+    c.wait(
+        "node A found lost",
+        lambda: any("node h3a lost" in e["reason"] for e in c.get(f"/v1/jobs/{big}/events")),
+        120,
+    )
+    c.set_gpu_range(big, 2, 4)
     c.wait(
         "the job running again on node B alone",
         lambda: (
@@ -385,8 +393,9 @@ def test_a_spanning_job_whose_runner_node_dies_restarts_on_the_other_from_a_chec
     # B's workers of the old run left with their runner (so B's slots were free to start on).
     assert not pids_b & set(restart["worker_pids"])
     assert not [pid for pid in pids_b if Path(f"/proc/{pid}").exists()], pids_b
-    # Re-planned in the very tick that found A lost: the new command's plan is the first one
-    # written after the event (mark, solve and command are one tick's two transactions).
+    # When the start on B was sent after A was found lost (the same-tick restart of a job whose
+    # runner's node is lost is tests/service/test_node_lost_replan.py's; here the range change
+    # after the loss lets it start).
     lost_at = datetime.fromisoformat(lost["at"])
     engine = make_engine(f"sqlite:///{c.tmp / 'greenflow.db'}")
     try:
@@ -394,16 +403,11 @@ def test_a_spanning_job_whose_runner_node_dies_restarts_on_the_other_from_a_chec
             command = session.scalars(
                 select(Allocation).where(Allocation.generation == restart["generation"])
             ).one()
-            ticks = session.scalar(
-                select(func.count(Plan.id)).where(
-                    Plan.created_at >= lost_at, Plan.created_at <= command.created_at
-                )
-            )
             sent_s = (command.created_at - lost_at).total_seconds()
             acked_at = command.acked_at
     finally:
         engine.dispose()
-    assert ticks == 1, (ticks, sent_s)
+    assert sent_s > 0, sent_s
     lost_s = (lost_at - killed_at).total_seconds()
     # Found lost at the first tick after the timeout (ticks every 5 s; the load may delay it).
     assert RUNNER_LOST_TIMEOUT_S - 2 <= lost_s <= RUNNER_LOST_TIMEOUT_S + 2 * 5 + 10, lost_s
